@@ -1,0 +1,145 @@
+"""Multi-head self-attention, written out as the textbook defines it.
+
+Vaswani et al. 2017, "Attention Is All You Need", section 3.2:
+
+    Q_i = X W_i^Q,  K_i = X W_i^K,  V_i = X W_i^V                  (per head i)
+    head_i = softmax(Q_i K_i^T / sqrt(d_k)) V_i                     (eq. 1)
+    MultiHead(X) = Concat(head_1, ..., head_h) W^O
+
+The projections of all heads are held in one ``qkv`` linear layer (as in timm), which
+is the same arithmetic as h separate ``W_i`` matrices stacked side by side.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from vit_mnist.errors import ConfigError
+
+AttentionImpl = Literal["explicit", "fused"]
+ATTENTION_IMPLS: tuple[str, ...] = ("explicit", "fused")
+
+
+def check_attention_args(*, embed_dim: int, num_heads: int, impl: str = "explicit") -> None:
+    """Raise :class:`ConfigError` (a ``ValueError``) for an impossible attention shape.
+
+    Raises:
+        ConfigError: ``embed_dim`` or ``num_heads`` is not a positive integer,
+            ``embed_dim`` is not a multiple of ``num_heads``, or ``impl`` is unknown.
+    """
+    for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{name}={value!r} must be a positive integer")
+    if embed_dim % num_heads != 0:
+        divisors = [d for d in range(1, embed_dim + 1) if embed_dim % d == 0 and d <= 64]
+        raise ConfigError(
+            f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}: each head "
+            f"gets embed_dim / num_heads features; pick num_heads from {divisors} "
+            f"or an embed_dim that is a multiple of {num_heads}"
+        )
+    if impl not in ATTENTION_IMPLS:
+        raise ConfigError(f"attention_impl={impl!r} is unknown; use one of {list(ATTENTION_IMPLS)}")
+
+
+class MultiHeadSelfAttention(nn.Module):
+    """Multi-head self-attention with an explicit and a fused path.
+
+    Args:
+        embed_dim: model width D (features per token).
+        num_heads: number of heads h; ``head_dim = embed_dim // num_heads`` is d_k.
+        qkv_bias: whether the Q, K, V projections have a bias.
+        attn_dropout: dropout probability on the attention weights (training only).
+        proj_dropout: dropout probability on the output projection.
+        causal: if True, token t attends only to tokens <= t: scores above the diagonal
+            are set to -inf before the softmax.
+        impl: ``"explicit"`` computes softmax(QK^T/sqrt(d_k))V step by step;
+            ``"fused"`` calls :func:`torch.nn.functional.scaled_dot_product_attention`.
+            Fixed at construction. Both give the same numbers (to 1e-5 in float32);
+            a call with ``need_weights=True`` always runs the explicit path, because
+            only it materialises the weights.
+
+    Shapes:
+        input ``x``: (batch, tokens, embed_dim), float32 / bfloat16 / float16.
+        output: (batch, tokens, embed_dim), same dtype;
+        with ``need_weights=True`` also the attention weights
+        (batch, num_heads, tokens, tokens), rows summing to 1.
+
+    Raises:
+        ConfigError (a ValueError): impossible ``embed_dim`` / ``num_heads`` / ``impl``.
+    """
+
+    def __init__(
+        self,
+        *,
+        embed_dim: int,
+        num_heads: int,
+        qkv_bias: bool = True,
+        attn_dropout: float = 0.0,
+        proj_dropout: float = 0.0,
+        causal: bool = False,
+        impl: AttentionImpl = "explicit",
+    ) -> None:
+        super().__init__()
+        check_attention_args(embed_dim=embed_dim, num_heads=num_heads, impl=impl)
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.causal = causal
+        self.impl = impl
+        self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=qkv_bias)
+        # The softmax is a module of its own so that a forward hook can read the weights.
+        self.softmax = nn.Softmax(dim=-1)
+        self.attn_dropout = nn.Dropout(attn_dropout)
+        self.proj = nn.Linear(embed_dim, embed_dim)
+        self.proj_dropout = nn.Dropout(proj_dropout)
+        self._attend = self._fused if impl == "fused" else self._explicit
+
+    def forward(
+        self, x: torch.Tensor, need_weights: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        qkv = self.qkv(x)  # (B, T, 3*D)
+        q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, h=self.num_heads)
+        if need_weights:
+            out, weights = self._explicit(q, k, v)
+        else:
+            out, weights = self._attend(q, k, v)
+        out = rearrange(out, "b h t d -> b t (h d)")  # Concat(head_1..head_h)
+        out = self.proj_dropout(self.proj(out))  # W^O
+        return (out, weights) if need_weights else out
+
+    def _explicit(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, h, T, T)
+        if self.causal:
+            t = scores.shape[-1]
+            above = torch.ones(t, t, dtype=torch.bool, device=scores.device).triu(1)
+            scores = scores.masked_fill(above, float("-inf"))
+        weights = self.softmax(scores)
+        return self.attn_dropout(weights) @ v, weights  # (B, h, T, head_dim)
+
+    def _fused(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, None]:
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            dropout_p=self.attn_dropout.p if self.training else 0.0,
+            is_causal=self.causal,
+            scale=self.scale,
+        )
+        return out, None
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+            f"head_dim={self.head_dim}, causal={self.causal}, impl={self.impl!r}"
+        )

@@ -1,0 +1,303 @@
+"""The Vision Transformer: patch embedding, pre-norm encoder blocks, classification head.
+
+Dosovitskiy et al. 2021, "An Image is Worth 16x16 Words", eq. 1-4:
+
+    z_0 = [x_class; x_p^1 E; ...; x_p^N E] + E_pos                     (eq. 1)
+    z'_l = MSA(LN(z_{l-1})) + z_{l-1}                                   (eq. 2)
+    z_l = MLP(LN(z'_l)) + z'_l                                          (eq. 3)
+    y = LN(z_L^0) -> linear head                                        (eq. 4)
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange, repeat
+from torch import nn
+
+from vit_mnist.errors import ConfigError
+from vit_mnist.models.attention import MultiHeadSelfAttention, check_attention_args
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
+
+
+def _check_rate(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
+        raise ConfigError(f"{name}={value!r} must be a probability in [0, 1)")
+
+
+def check_vit_args(
+    *,
+    img_size: int = 28,
+    patch_size: int = 4,
+    in_chans: int = 1,
+    num_classes: int = 10,
+    embed_dim: int = 64,
+    depth: int = 6,
+    num_heads: int = 4,
+    mlp_ratio: float = 2.0,
+    dropout: float = 0.0,
+    attn_dropout: float = 0.0,
+    attention_impl: str = "explicit",
+    causal: bool = False,
+    qkv_bias: bool = True,
+) -> None:
+    """Check :class:`VisionTransformer` arguments without building anything.
+
+    Called by the constructor and, before any data is loaded, by ``train(cfg)``.
+
+    Raises:
+        ConfigError (a ValueError): the message names the offending values, e.g.
+            ``embed_dim=64 is not divisible by num_heads=3``.
+    """
+    for name, value in (
+        ("img_size", img_size),
+        ("patch_size", patch_size),
+        ("in_chans", in_chans),
+        ("num_classes", num_classes),
+        ("depth", depth),
+    ):
+        _check_positive_int(name, value)
+    if img_size % patch_size != 0:
+        divisors = [d for d in range(1, img_size + 1) if img_size % d == 0]
+        raise ConfigError(
+            f"patch_size={patch_size} does not divide img_size={img_size}: "
+            f"use a patch_size from {divisors}"
+        )
+    if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, int | float) or mlp_ratio <= 0:
+        raise ConfigError(f"mlp_ratio={mlp_ratio!r} must be a positive number")
+    _check_rate("dropout", dropout)
+    _check_rate("attn_dropout", attn_dropout)
+    check_attention_args(embed_dim=embed_dim, num_heads=num_heads, impl=attention_impl)
+    if round(embed_dim * mlp_ratio) <= 0:
+        raise ConfigError(f"mlp_ratio={mlp_ratio} gives an MLP of width 0 at embed_dim={embed_dim}")
+
+
+class PatchEmbedding(nn.Module):
+    """Cut an image into non-overlapping patches and project each to ``embed_dim``.
+
+    A convolution with kernel = stride = ``patch_size`` is the same linear map E as
+    flattening each patch and multiplying (ViT eq. 1), done in one kernel.
+
+    Shapes: (batch, in_chans, img_size, img_size) float -> (batch, num_patches, embed_dim),
+    with ``num_patches = (img_size // patch_size) ** 2``.
+    """
+
+    def __init__(self, *, img_size: int, patch_size: int, in_chans: int, embed_dim: int) -> None:
+        super().__init__()
+        self.img_size = img_size
+        self.patch_size = patch_size
+        self.grid_size = img_size // patch_size
+        self.num_patches = self.grid_size**2
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-2:] != (self.img_size, self.img_size):
+            raise ValueError(
+                f"image of size {tuple(x.shape[-2:])} given to a model built for "
+                f"img_size={self.img_size}; resize the images or rebuild the model"
+            )
+        x = self.proj(x)  # (B, D, H/p, W/p)
+        return rearrange(x, "b d gh gw -> b (gh gw) d")
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: Linear -> GELU -> Dropout -> Linear -> Dropout.
+
+    Shapes: (batch, tokens, embed_dim) -> (batch, tokens, embed_dim).
+    """
+
+    def __init__(self, *, embed_dim: int, hidden_dim: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(embed_dim, hidden_dim)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden_dim, embed_dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+
+
+class EncoderBlock(nn.Module):
+    """Pre-norm transformer encoder block (ViT eq. 2-3).
+
+    Shapes: (batch, tokens, embed_dim) -> (batch, tokens, embed_dim); with
+    ``need_weights=True`` also the attention weights (batch, num_heads, tokens, tokens).
+    """
+
+    def __init__(
+        self,
+        *,
+        embed_dim: int,
+        num_heads: int,
+        mlp_ratio: float = 2.0,
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        attention_impl: str = "explicit",
+        causal: bool = False,
+        qkv_bias: bool = True,
+    ) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(embed_dim)
+        self.attn = MultiHeadSelfAttention(
+            embed_dim=embed_dim,
+            num_heads=num_heads,
+            qkv_bias=qkv_bias,
+            attn_dropout=attn_dropout,
+            proj_dropout=dropout,
+            causal=causal,
+            impl=attention_impl,
+        )
+        self.norm2 = nn.LayerNorm(embed_dim)
+        self.mlp = MLP(
+            embed_dim=embed_dim, hidden_dim=round(embed_dim * mlp_ratio), dropout=dropout
+        )
+
+    def forward(
+        self, x: torch.Tensor, need_weights: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if need_weights:
+            attn_out, weights = self.attn(self.norm1(x), need_weights=True)
+            x = x + attn_out
+            return x + self.mlp(self.norm2(x)), weights
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class VisionTransformer(nn.Module):
+    """ViT classifier for small single-channel images such as MNIST.
+
+    All arguments are keyword-only plain values, so a checkpoint can store them and
+    rebuild the model without the training config.
+
+    Args:
+        img_size: image height = width, in pixels.
+        patch_size: patch side in pixels; must divide ``img_size``.
+        in_chans: image channels (1 for MNIST).
+        num_classes: number of output logits.
+        embed_dim: token width D.
+        depth: number of encoder blocks L.
+        num_heads: attention heads per block; must divide ``embed_dim``.
+        mlp_ratio: MLP hidden width = ``round(embed_dim * mlp_ratio)``.
+        dropout: dropout after the embedding, in the MLP and after attention's W^O.
+        attn_dropout: dropout on the attention weights.
+        attention_impl: ``"explicit"`` or ``"fused"``, see :class:`MultiHeadSelfAttention`.
+        causal: causal mask in every block (tokens attend to earlier tokens only; the
+            CLS token is token 0, so it then sees only itself).
+        qkv_bias: bias on the Q, K, V projections.
+
+    Shapes: images (batch, in_chans, img_size, img_size) float -> logits (batch, num_classes).
+    Tokens: 1 CLS token followed by ``(img_size // patch_size) ** 2`` patch tokens.
+
+    Raises:
+        ConfigError (a ValueError): an impossible combination, naming the values.
+    """
+
+    def __init__(
+        self,
+        *,
+        img_size: int = 28,
+        patch_size: int = 4,
+        in_chans: int = 1,
+        num_classes: int = 10,
+        embed_dim: int = 64,
+        depth: int = 6,
+        num_heads: int = 4,
+        mlp_ratio: float = 2.0,
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        attention_impl: str = "explicit",
+        causal: bool = False,
+        qkv_bias: bool = True,
+    ) -> None:
+        super().__init__()
+        check_vit_args(
+            img_size=img_size,
+            patch_size=patch_size,
+            in_chans=in_chans,
+            num_classes=num_classes,
+            embed_dim=embed_dim,
+            depth=depth,
+            num_heads=num_heads,
+            mlp_ratio=mlp_ratio,
+            dropout=dropout,
+            attn_dropout=attn_dropout,
+            attention_impl=attention_impl,
+            causal=causal,
+            qkv_bias=qkv_bias,
+        )
+        self.num_heads = num_heads
+        self.depth = depth
+        self.patch_embed = PatchEmbedding(
+            img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim
+        )
+        self.num_tokens = self.patch_embed.num_patches + 1
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.num_tokens, embed_dim))
+        self.pos_drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            EncoderBlock(
+                embed_dim=embed_dim,
+                num_heads=num_heads,
+                mlp_ratio=mlp_ratio,
+                dropout=dropout,
+                attn_dropout=attn_dropout,
+                attention_impl=attention_impl,
+                causal=causal,
+                qkv_bias=qkv_bias,
+            )
+            for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(embed_dim)
+        self.head = nn.Linear(embed_dim, num_classes)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Truncated-normal(0.02) for weights and embeddings, zeros for biases (as in timm)."""
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.trunc_normal_(self.cls_token, std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear | nn.Conv2d):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x)  # (B, N, D)
+        cls = repeat(self.cls_token, "1 1 d -> b 1 d", b=x.shape[0])
+        return self.pos_drop(torch.cat([cls, x], dim=1) + self.pos_embed)  # (B, 1+N, D)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (B, C, H, W) -> normalised tokens (B, 1 + num_patches, embed_dim)."""
+        x = self._embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens (B, T, embed_dim) -> logits (B, num_classes) from the CLS token."""
+        return self.head(x[:, 0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def forward_with_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Logits and every block's attention weights, via the explicit path.
+
+        Works whatever ``attention_impl`` the model was built with.
+
+        Returns:
+            logits (B, num_classes) and a list of ``depth`` tensors, each
+            (B, num_heads, tokens, tokens), rows summing to 1.
+        """
+        x = self._embed(x)
+        weights = []
+        for block in self.blocks:
+            x, w = block(x, need_weights=True)
+            weights.append(w)
+        return self.forward_head(self.norm(x)), weights
