@@ -1,0 +1,178 @@
+"""The LightningModule: loss, metrics, optimizer and learning-rate schedule around the ViT."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from vit_mnist.errors import ConfigError
+from vit_mnist.models.vit import VisionTransformer
+
+RUN_INFO_KEY = "vit_mnist"
+
+
+def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Learning-rate multiplier: linear warm-up from 0, then cosine decay to ``min_lr_ratio``.
+
+    Loshchilov and Hutter 2017 (SGDR) eq. 5 without restarts, after Goyal et al. 2017's
+    linear warm-up.
+
+    Args:
+        step: optimizer steps taken so far (0-based).
+        warmup_steps: steps of the linear ramp; the multiplier reaches 1 at this step.
+        total_steps: steps in the whole run; the multiplier reaches ``min_lr_ratio`` here.
+        min_lr_ratio: final learning rate as a fraction of the peak.
+
+    Returns:
+        A multiplier in [0, 1] for the peak learning rate.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class ViTClassifier(L.LightningModule):
+    """Trains a :class:`~vit_mnist.models.vit.VisionTransformer` with cross-entropy and AdamW.
+
+    Every argument is a plain value, saved with ``save_hyperparameters`` into each
+    checkpoint, so ``ViTClassifier.load_from_checkpoint(path)`` rebuilds the model
+    without the Hydra config.
+
+    Args:
+        model: keyword arguments of ``VisionTransformer`` (``patch_size``, ``embed_dim``,
+            ``depth``, ``num_heads``, ``mlp_ratio``, ...).
+        lr: peak learning rate of AdamW.
+        weight_decay: AdamW's decoupled weight decay, applied to weight matrices only
+            (not to biases, norms, ``cls_token`` or ``pos_embed``).
+        betas: AdamW's betas.
+        warmup_epochs: epochs (may be fractional) of linear warm-up.
+        min_lr_ratio: final learning rate of the cosine decay, as a fraction of ``lr``.
+        label_smoothing: cross-entropy label smoothing in [0, 1).
+
+    Logged: ``train/loss`` (per step), ``train/acc``, ``val/loss``, ``val/acc``,
+    ``val/acc_best``, ``test/loss`` and ``test/acc`` (per epoch; accuracies are
+    fractions in [0, 1]).
+
+    Raises:
+        ConfigError: a non-positive ``lr``, a negative ``weight_decay`` or
+            ``warmup_epochs``, or ``label_smoothing`` outside [0, 1).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: dict[str, Any],
+        lr: float = 1e-3,
+        weight_decay: float = 0.05,
+        betas: tuple[float, float] | list[float] = (0.9, 0.999),
+        warmup_epochs: float = 1.0,
+        min_lr_ratio: float = 0.01,
+        label_smoothing: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if not lr > 0:
+            raise ConfigError(f"module.lr={lr} must be positive")
+        if weight_decay < 0:
+            raise ConfigError(f"module.weight_decay={weight_decay} must be >= 0")
+        if warmup_epochs < 0:
+            raise ConfigError(f"module.warmup_epochs={warmup_epochs} must be >= 0")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ConfigError(f"module.label_smoothing={label_smoothing} must be in [0, 1)")
+        self.save_hyperparameters()
+        self.net = VisionTransformer(**model)
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+        num_classes = model.get("num_classes", 10)
+        self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()
+        self.val_acc_best = MaxMetric()
+        # Filled by train(): data config, precision, seed; stored in every checkpoint.
+        self.run_info: dict[str, Any] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (B, 1, 28, 28) float -> logits (B, num_classes)."""
+        return self.net(x)
+
+    def on_train_start(self) -> None:
+        # The sanity-check validation must not count towards the best accuracy.
+        self.val_acc_best.reset()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
+        x, y = batch
+        logits = self(x)
+        loss = self.criterion(logits, y)
+        self.train_acc(logits, y)
+        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
+        return loss
+
+    def _eval_step(self, batch, acc: MulticlassAccuracy, mean_loss: MeanMetric, stage: str):
+        x, y = batch
+        logits = self(x)
+        # Unsmoothed loss: comparable across label_smoothing settings.
+        loss = nn.functional.cross_entropy(logits.float(), y)
+        acc(logits, y)
+        mean_loss(loss, weight=len(y))
+        self.log(f"{stage}/loss", mean_loss, on_step=False, on_epoch=True, prog_bar=stage == "val")
+        self.log(f"{stage}/acc", acc, on_step=False, on_epoch=True, prog_bar=True)
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self._eval_step(batch, self.val_acc, self.val_loss, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        self.val_acc_best(self.val_acc.compute())
+        self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=False)
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self._eval_step(batch, self.test_acc, self.test_loss, "test")
+
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for name, p in self.net.named_parameters():
+            if not p.requires_grad:
+                continue
+            # Weight matrices are decayed; biases, LayerNorm gains and the embeddings
+            # (cls_token, pos_embed) are not, as in Dosovitskiy et al. and timm.
+            (decay if p.ndim >= 2 and name not in ("cls_token", "pos_embed") else no_decay).append(
+                p
+            )
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": hp.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=hp.lr,
+            betas=tuple(hp.betas),
+        )
+        total_steps = max(1, int(self.trainer.estimated_stepping_batches))
+        steps_per_epoch = total_steps / max(1, self.trainer.max_epochs or 1)
+        warmup_steps = min(total_steps, max(1, round(hp.warmup_epochs * steps_per_epoch)))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda step: warmup_cosine(
+                step,
+                warmup_steps=warmup_steps,
+                total_steps=total_steps,
+                min_lr_ratio=hp.min_lr_ratio,
+            ),
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
+        }
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[RUN_INFO_KEY] = dict(self.run_info)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.run_info = dict(checkpoint.get(RUN_INFO_KEY, {}))

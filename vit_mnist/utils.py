@@ -1,0 +1,80 @@
+"""Small pieces shared by train and evaluate: metrics files, device names, error exits."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import platform
+import sys
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vit_mnist.data.sources import atomic_write_bytes
+from vit_mnist.errors import CheckpointError, ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+# Errors whose message is the whole story: the command line prints one line, exits 2.
+USER_ERRORS = (ConfigError, DataError, CheckpointError)
+
+
+def write_metrics(path: str | Path, metrics: dict[str, Any]) -> dict[str, Any]:
+    """Write ``metrics`` as indented JSON, atomically (temporary file + rename).
+
+    Returns:
+        The metrics as written: tensors turned into Python numbers, non-finite floats
+        into strings (JSON has no NaN).
+    """
+    clean = {k: _plain(v) for k, v in metrics.items()}
+    atomic_write_bytes(Path(path), (json.dumps(clean, indent=2, sort_keys=True) + "\n").encode())
+    log.info("Metrics written to %s", path)
+    return clean
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else ``platform.processor()``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe_device(device: torch.device) -> str:
+    """A human-readable device line, e.g. ``cpu (AMD EPYC ..., 2 threads)``."""
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({cpu_name()}, {torch.get_num_threads()} threads)"
+
+
+def exit_on_user_error(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn a :data:`USER_ERRORS` exception into one line on stderr and exit status 2.
+
+    Any other exception keeps its traceback: that is a bug to report, not bad input.
+    """
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except USER_ERRORS as e:
+            log.error("%s", e)
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    return wrapper
