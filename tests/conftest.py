@@ -1,0 +1,64 @@
+"""Shared fixtures: the real Hydra configs, composed with tiny overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = str(ROOT / "configs")
+# Real MNIST lives in the repository's data/ folder, shared with `make train`, so the
+# offline rebuild happens at most once per clone.
+DATA_DIR = ROOT / "data"
+
+# A model small enough for a test to train in seconds on 2 cores.
+TINY_MODEL = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.patch_size=7"]
+
+
+def compose_config(name: str, overrides: list[str], output_dir: Path) -> DictConfig:
+    """Compose ``configs/<name>.yaml`` as ``python <name>.py`` would, run dir at ``output_dir``."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name=name, overrides=overrides, return_hydra_config=True)
+    # Resolves ${hydra:...} interpolations outside of @hydra.main.
+    HydraConfig().set_config(cfg)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(output_dir)
+        cfg.paths.data_dir = str(DATA_DIR)
+        del cfg.hydra
+    return cfg
+
+
+@pytest.fixture
+def make_train_cfg(tmp_path):
+    """``make_train_cfg(*overrides)`` -> a tiny synthetic training config in ``tmp_path``."""
+
+    def make(*overrides: str, output_dir: Path | None = None) -> DictConfig:
+        base = [
+            "data=synthetic",
+            "trainer=cpu",
+            "trainer.max_epochs=2",
+            "trainer.log_every_n_steps=2",
+        ]
+        base += TINY_MODEL
+        return compose_config("train", [*base, *overrides], output_dir or tmp_path / "train")
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def mnist_dir():
+    """The real MNIST files (fetched or rebuilt offline once); skips where impossible."""
+    from vit_mnist.data.sources import ensure_mnist
+    from vit_mnist.errors import DataError
+
+    try:
+        ensure_mnist(DATA_DIR)
+    except DataError as e:
+        pytest.skip(f"real MNIST unavailable here: {e}")
+    return DATA_DIR

@@ -1,0 +1,76 @@
+"""`python train.py` / `python eval.py` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+
+def run(script: str, *overrides: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *overrides],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_heads_not_dividing_embed_dim_is_one_clear_line(tmp_path):
+    result = run("train.py", "model.num_heads=3", "model.embed_dim=64", f"hydra.run.dir={tmp_path}")
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    assert "embed_dim=64" in errors[0] and "num_heads=3" in errors[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    # Nothing was trained or read: the check comes before data and model.
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_eval_without_ckpt_path_is_a_clear_error(tmp_path):
+    result = run("eval.py", f"hydra.run.dir={tmp_path}")
+    assert result.returncode != 0
+    assert "ckpt_path is required" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_eval_with_missing_checkpoint_names_the_path(tmp_path):
+    missing = tmp_path / "nope.ckpt"
+    result = run("eval.py", f"ckpt_path={missing}", f"hydra.run.dir={tmp_path}")
+    assert result.returncode != 0
+    assert str(missing) in result.stderr and "Traceback" not in result.stderr
+
+
+def test_train_cli_with_user_overrides_then_eval(tmp_path):
+    run_dir = tmp_path / "train"
+    result = run(
+        "train.py",
+        "data=synthetic",
+        "model.num_heads=8",
+        "model.embed_dim=128",
+        "model.depth=1",
+        "model.patch_size=7",
+        "trainer=cpu",
+        "trainer.max_epochs=1",
+        "data.batch_size=256",
+        "seed=7",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["seed"] == 7 and metrics["epochs"] == 1
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert (run_dir / "train.log").is_file()
+    assert "Epoch 0" in result.stderr  # the progress bar
+
+    best = metrics["best_ckpt"]
+    result = run("eval.py", f"ckpt_path={best}", f"hydra.run.dir={tmp_path / 'eval'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"test/acc = {metrics['test/acc']:.4f}" in result.stdout

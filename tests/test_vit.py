@@ -1,0 +1,96 @@
+"""The Vision Transformer: shapes, argument checks, gradients, learning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vit_mnist.errors import ConfigError
+from vit_mnist.models import VisionTransformer
+
+TINY = {"embed_dim": 32, "depth": 2, "num_heads": 4, "mlp_ratio": 2.0}
+
+
+@pytest.mark.parametrize("patch_size", [1, 2, 4, 7, 14, 28])
+def test_shapes(patch_size):
+    model = VisionTransformer(patch_size=patch_size, **TINY)
+    x = torch.randn(3, 1, 28, 28)
+    tokens = model.forward_features(x)
+    assert tokens.shape == (3, 1 + (28 // patch_size) ** 2, 32)
+    assert model(x).shape == (3, 10)
+
+
+@pytest.mark.parametrize("impl", ["explicit", "fused"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_with_attention(impl, causal):
+    model = VisionTransformer(patch_size=7, attention_impl=impl, causal=causal, **TINY).eval()
+    x = torch.randn(2, 1, 28, 28)
+    logits, weights = model.forward_with_attention(x)
+    torch.testing.assert_close(logits, model(x), atol=1e-5, rtol=1e-5)
+    assert len(weights) == 2
+    for w in weights:
+        assert w.shape == (2, 4, 17, 17)
+        torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 17))
+
+
+def test_fused_and_explicit_models_agree():
+    torch.manual_seed(0)
+    explicit = VisionTransformer(patch_size=4, **TINY)
+    fused = VisionTransformer(patch_size=4, attention_impl="fused", **TINY)
+    fused.load_state_dict(explicit.state_dict())
+    x = torch.randn(4, 1, 28, 28)
+    assert (explicit(x) - fused(x)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["explicit", "fused"])
+def test_every_parameter_gets_a_finite_gradient(impl):
+    torch.manual_seed(0)
+    model = VisionTransformer(patch_size=7, attention_impl=impl, **TINY)
+    loss = torch.nn.functional.cross_entropy(
+        model(torch.randn(4, 1, 28, 28)), torch.tensor([0, 1, 2, 3])
+    )
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        assert torch.isfinite(p.grad).all(), f"{name} has a non-finite gradient"
+        assert p.grad.abs().sum() > 0, f"{name} has an all-zero gradient"
+
+
+def test_overfits_one_small_batch():
+    torch.manual_seed(0)
+    model = VisionTransformer(patch_size=7, **TINY)
+    x, y = torch.randn(32, 1, 28, 28), torch.arange(32) % 10
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.05
+    assert (model(x).argmax(-1) == y).all()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"embed_dim": 64, "num_heads": 3}, ["embed_dim=64", "num_heads=3"]),
+        ({"patch_size": 5}, ["patch_size=5", "img_size=28", "[1, 2, 4, 7, 14, 28]"]),
+        ({"patch_size": 0}, ["patch_size=0"]),
+        ({"depth": 0}, ["depth=0"]),
+        ({"mlp_ratio": -1.0}, ["mlp_ratio=-1.0"]),
+        ({"dropout": 1.5}, ["dropout=1.5"]),
+        ({"attention_impl": "flash"}, ["attention_impl='flash'"]),
+    ],
+)
+def test_impossible_shapes_raise_value_error_naming_values(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        VisionTransformer(**kwargs)
+    assert isinstance(info.value, ConfigError)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_wrong_image_size_is_a_clear_error():
+    model = VisionTransformer(patch_size=7, **TINY)
+    with pytest.raises(ValueError, match=r"\(32, 32\).*img_size=28"):
+        model(torch.randn(1, 1, 32, 32))
