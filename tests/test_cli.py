@@ -68,7 +68,7 @@ def test_train_cli_with_user_overrides_then_eval(tmp_path):
     assert metrics["seed"] == 7 and metrics["epochs"] == 1
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     assert (run_dir / "train.log").is_file()
-    assert "Epoch 0" in result.stderr  # the progress bar
+    assert "Epoch 0" in result.stdout  # the progress bar
 
     best = metrics["best_ckpt"]
     result = run("eval.py", f"ckpt_path={best}", f"hydra.run.dir={tmp_path / 'eval'}")

@@ -67,7 +67,10 @@ class BatchRandomAffine(nn.Module):
             [torch.stack([cos, -sin, tx], dim=1), torch.stack([sin, cos, ty], dim=1)], dim=1
         ).to(x.dtype)  # (B, 2, 3)
         grid = F.affine_grid(theta, list(x.shape), align_corners=False)
-        out = F.grid_sample(x - self.fill, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+        # grid_sample pads with zeros: shift the background to 0 and back.
+        out = F.grid_sample(
+            x - self.fill, grid, mode="bilinear", padding_mode="zeros", align_corners=False
+        )
         return out + self.fill
 
     def extra_repr(self) -> str:

@@ -43,9 +43,7 @@ class InMemoryDataModule(L.LightningDataModule):
         augment: dict | None = None,
     ):
         super().__init__()
-        self.augment = (
-            BatchRandomAffine(**augment, fill=self.background) if augment else None
-        )
+        self.augment = BatchRandomAffine(**augment, fill=self.background) if augment else None
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory

@@ -94,5 +94,8 @@ class MNISTDataModule(InMemoryDataModule):
         self.data_test = TensorDataset(self._normalise(test.data), test.targets)
         log.info(
             "MNIST: %d train / %d val / %d test images from %s",
-            len(train_idx), len(val_idx), len(test.targets), self.source,
+            len(train_idx),
+            len(val_idx),
+            len(test.targets),
+            self.source,
         )
