@@ -1,0 +1,307 @@
+"""What the heads look at: attention maps, rollout, per-head statistics, and their pictures.
+
+Everything here works on the attention weights that
+:meth:`vit_mnist.models.vit.VisionTransformer.forward_with_attention` returns: a list with
+one tensor per layer, each (batch, heads, tokens, tokens), token 0 being the CLS token and
+tokens 1.. the patches in row-major order. :func:`attention_report` runs a model on a batch
+and returns the pictures and scalars that the TensorBoard callback logs; it serves any
+model and any batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from PIL import Image, ImageDraw, ImageFont
+from torchvision.utils import make_grid
+
+from vit_mnist.models.vit import VisionTransformer
+
+
+def attention_rollout(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Attention rollout through all layers (Abnar and Zuidema 2020, section 3).
+
+    Per layer the heads are averaged, the identity is added for the residual connection
+    and the rows are renormalised, ``A_l = norm(mean_h(W_l) + I)``; the rollout is the
+    product ``A_L ... A_2 A_1``.
+
+    Args:
+        weights: one (batch, heads, tokens, tokens) tensor per layer, rows summing to 1.
+
+    Returns:
+        (batch, tokens, tokens) float32; row t says how much each input token flows into
+        output token t. Rows sum to 1.
+
+    Raises:
+        ValueError: ``weights`` is empty.
+    """
+    if not weights:
+        raise ValueError("attention_rollout needs the weights of at least one layer")
+    tokens = weights[0].shape[-1]
+    eye = torch.eye(tokens, device=weights[0].device)
+    rollout = None
+    for w in weights:
+        a = w.float().mean(dim=1) + eye  # (B, T, T)
+        a = a / a.sum(dim=-1, keepdim=True)
+        rollout = a if rollout is None else a @ rollout
+    return rollout
+
+
+def attention_entropy(weights: torch.Tensor) -> torch.Tensor:
+    """Entropy of each head's attention distribution, in nats.
+
+    Args:
+        weights: (batch, heads, tokens, tokens), rows summing to 1.
+
+    Returns:
+        (heads,) float32: ``-sum_k p_qk log p_qk`` averaged over query tokens and images.
+        0 means every query looks at one token; ``log(tokens)`` means uniform attention.
+    """
+    w = weights.float()
+    return -torch.special.xlogy(w, w).sum(dim=-1).mean(dim=(0, 2))
+
+
+@lru_cache(maxsize=16)
+def _patch_distances(grid_size: int, patch_size: int) -> torch.Tensor:
+    ij = torch.stack(
+        torch.meshgrid(torch.arange(grid_size), torch.arange(grid_size), indexing="ij"), dim=-1
+    )
+    centres = ij.reshape(-1, 2).float() * patch_size  # pixels; the +p/2 offset cancels
+    return torch.cdist(centres, centres)  # (N, N)
+
+
+def mean_attention_distance(
+    weights: torch.Tensor, *, grid_size: int, patch_size: int
+) -> torch.Tensor:
+    """Mean attention distance per head, in pixels (Dosovitskiy et al. 2021, Appendix D.7).
+
+    For each patch query, the distance in pixels between its patch centre and every patch
+    key's centre, weighted by the attention it pays to that key (renormalised over the
+    patch keys, so the CLS token does not count), averaged over queries and images.
+
+    Args:
+        weights: (batch, heads, 1 + grid_size**2, 1 + grid_size**2), token 0 the CLS token.
+        grid_size: patches per image side.
+        patch_size: patch side in pixels.
+
+    Returns:
+        (heads,) float32, in pixels.
+    """
+    w = weights[:, :, 1:, 1:].float()
+    w = w / w.sum(dim=-1, keepdim=True).clamp_min(1e-12)
+    dist = _patch_distances(grid_size, patch_size).to(w.device)
+    return (w * dist).sum(dim=-1).mean(dim=(0, 2))
+
+
+def cls_attention(weights: torch.Tensor, grid_size: int) -> torch.Tensor:
+    """The CLS token's attention over the patches, as images.
+
+    Args:
+        weights: (batch, heads, 1 + grid_size**2, 1 + grid_size**2), or
+            (batch, tokens, tokens) for a rollout.
+
+    Returns:
+        (batch, heads, grid_size, grid_size), or (batch, grid_size, grid_size).
+    """
+    return rearrange(weights[..., 0, 1:], "... (gh gw) -> ... gh gw", gh=grid_size)
+
+
+# ----------------------------------------------------------------------------- drawing
+
+
+@lru_cache(maxsize=4)
+def _colormap(name: str) -> torch.Tensor:
+    import matplotlib
+
+    return torch.from_numpy(matplotlib.colormaps[name](np.linspace(0, 1, 256))[:, :3]).float()
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    """Min-max scale each leading item of (N, ...) to [0, 1]."""
+    flat = x.flatten(1)
+    lo, hi = flat.min(dim=1).values, flat.max(dim=1).values
+    scale = (hi - lo).clamp_min(1e-12)
+    return ((flat - lo[:, None]) / scale[:, None]).view_as(x)
+
+
+def colorize(values: torch.Tensor, cmap: str = "inferno") -> torch.Tensor:
+    """Map (N, H, W) values to (N, 3, H, W) RGB in [0, 1], each item scaled to its own range."""
+    idx = (_unit(values.float()) * 255).round().long()
+    return rearrange(_colormap(cmap)[idx.cpu()], "n h w c -> n c h w")
+
+
+def overlay(
+    images: torch.Tensor, maps: torch.Tensor, alpha: float = 0.6, cmap: str = "inferno"
+) -> torch.Tensor:
+    """Overlay attention maps in colour on grey images.
+
+    Args:
+        images: (N, 1, H, W) float, any normalisation (each is min-max scaled).
+        maps: (N, g, g) attention over the patch grid; upsampled bilinearly to H x W.
+        alpha: weight of the colour.
+
+    Returns:
+        (N, 3, H, W) float in [0, 1].
+    """
+    h, w = images.shape[-2:]
+    up = F.interpolate(maps[:, None].float(), size=(h, w), mode="bilinear", align_corners=False)
+    grey = _unit(images.float().cpu()).expand(-1, 3, -1, -1)
+    return (1 - alpha) * grey + alpha * colorize(up[:, 0].cpu(), cmap)
+
+
+@lru_cache(maxsize=1)
+def _font() -> ImageFont.ImageFont:
+    return ImageFont.load_default()
+
+
+def labelled_grid(
+    tiles: torch.Tensor,
+    *,
+    row_labels: Sequence[str],
+    col_labels: Sequence[str],
+    title: str = "",
+    zoom: int = 3,
+) -> torch.Tensor:
+    """Lay out (rows, cols, 3, H, W) tiles as one picture with readable labels.
+
+    Returns:
+        (3, height, width) uint8, ready for ``SummaryWriter.add_image``.
+    """
+    rows, cols = tiles.shape[:2]
+    tiles = F.interpolate(tiles.flatten(0, 1), scale_factor=zoom, mode="nearest")
+    grid = make_grid(tiles, nrow=cols, padding=2, pad_value=1.0)  # (3, H, W)
+    body = Image.fromarray((grid.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
+    left, top = 8 + 6 * max((len(s) for s in row_labels), default=0), 14 + (14 if title else 0)
+    canvas = Image.new("RGB", (body.width + left, body.height + top), "white")
+    canvas.paste(body, (left, top))
+    draw = ImageDraw.Draw(canvas)
+    if title:
+        draw.text((4, 2), title, fill="black", font=_font())
+    tile_h, tile_w = (body.height - 2) // rows, (body.width - 2) // cols
+    for r, text in enumerate(row_labels):
+        draw.text((4, top + 2 + r * tile_h + tile_h // 2 - 5), text, fill="black", font=_font())
+    for c, text in enumerate(col_labels):
+        draw.text((left + 4 + c * tile_w, top - 12), text, fill="black", font=_font())
+    return torch.from_numpy(np.asarray(canvas).copy()).permute(2, 0, 1)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+@dataclass
+class AttentionReport:
+    """Pictures and numbers about a model's attention on one batch of images.
+
+    Attributes:
+        layer_grids: one (3, H, W) uint8 picture per layer: heads as rows, images as
+            columns, the CLS token's attention overlaid on each image.
+        matrices: ``matrices[layer][head]`` is the (3, T, T) uint8 token-by-token
+            attention matrix of the first image, T = 1 + patches.
+        rollout: (3, H, W) uint8 picture: attention rollout overlaid on each image.
+        entropy: ``entropy[layer]`` is a (heads,) tensor in nats.
+        distance: ``distance[layer]`` is a (heads,) tensor of mean attention distance
+            in pixels.
+        weights: the raw weights, one (batch, heads, T, T) float tensor per layer.
+    """
+
+    layer_grids: list[torch.Tensor] = field(default_factory=list)
+    matrices: list[list[torch.Tensor]] = field(default_factory=list)
+    rollout: torch.Tensor | None = None
+    entropy: list[torch.Tensor] = field(default_factory=list)
+    distance: list[torch.Tensor] = field(default_factory=list)
+    weights: list[torch.Tensor] = field(default_factory=list)
+
+
+@torch.no_grad()
+def attention_report(
+    model: VisionTransformer,
+    images: torch.Tensor,
+    labels: Sequence[int | str] | torch.Tensor | None = None,
+    *,
+    class_names: Sequence[str] | None = None,
+    zoom: int = 3,
+) -> AttentionReport:
+    """Run ``model`` on ``images`` through the explicit attention path and draw what it sees.
+
+    The model is put in eval mode for the call (no dropout) and restored afterwards; no
+    gradients are kept. Works whatever ``attention_impl`` the model was built with, and
+    with causal attention.
+
+    Args:
+        model: a :class:`VisionTransformer`.
+        images: (N, in_chans, H, W) float, as the model takes them.
+        labels: N labels shown above the columns (true classes, or any text).
+        class_names: names for integer labels (e.g. Fashion-MNIST's).
+        zoom: magnification of each 28 x 28 tile in the pictures.
+
+    Returns:
+        An :class:`AttentionReport`.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        logits, weights = model.forward_with_attention(images.to(device))
+    finally:
+        model.train(was_training)
+    weights = [w.float().cpu() for w in weights]
+    preds = logits.argmax(dim=-1).cpu().tolist()
+    grid_size, patch_size = model.patch_embed.grid_size, model.patch_embed.patch_size
+    images = images.float().cpu()
+    n = images.shape[0]
+
+    def name(v: int | str) -> str:
+        v = int(v) if isinstance(v, torch.Tensor) else v
+        return class_names[v] if class_names is not None and isinstance(v, int) else str(v)
+
+    label_list = labels.tolist() if isinstance(labels, torch.Tensor) else labels
+    col_labels = [
+        f"{name(label_list[i])}>{name(preds[i])}" if label_list is not None else name(preds[i])
+        for i in range(n)
+    ]
+    report = AttentionReport(weights=weights)
+    for layer, w in enumerate(weights):
+        heads = w.shape[1]
+        maps = cls_attention(w, grid_size)  # (N, heads, g, g)
+        tiles = rearrange(
+            overlay(images.repeat_interleave(heads, 0), maps.flatten(0, 1)),
+            "(n h) c y x -> h n c y x",
+            n=n,
+        )
+        report.layer_grids.append(
+            labelled_grid(
+                tiles,
+                row_labels=[f"head {h}" for h in range(heads)],
+                col_labels=col_labels,
+                title=f"layer {layer}: CLS attention per head (true>predicted)",
+                zoom=zoom,
+            )
+        )
+        report.matrices.append(
+            [(colorize(w[0, h][None])[0] * 255).round().to(torch.uint8) for h in range(heads)]
+        )
+        report.entropy.append(attention_entropy(w))
+        report.distance.append(
+            mean_attention_distance(w, grid_size=grid_size, patch_size=patch_size)
+        )
+    rollout_maps = cls_attention(attention_rollout(weights), grid_size)  # (N, g, g)
+    report.rollout = labelled_grid(
+        overlay(images, rollout_maps)[None],
+        row_labels=["rollout"],
+        col_labels=col_labels,
+        title="attention rollout (Abnar and Zuidema 2020), true>predicted",
+        zoom=zoom,
+    )
+    return report
+
+
+def max_entropy(tokens: int) -> float:
+    """Entropy of uniform attention over ``tokens`` tokens, in nats: ``log(tokens)``."""
+    return math.log(tokens)
