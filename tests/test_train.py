@@ -47,6 +47,7 @@ def check_run(run_dir: Path, metrics: dict, epochs: int) -> Path:
     for key in ("test/acc", "val/acc_best"):
         assert 0.0 <= written[key] <= 1.0
     assert written["num_params"] > 0 and written["train_time_s"] > 0
+    assert written["train_images_per_s"] > 0
     assert written["device"].startswith("cpu")
     assert written["epochs"] == epochs
 

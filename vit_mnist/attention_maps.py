@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from einops import rearrange
+from matplotlib import colormaps
 from PIL import Image, ImageDraw, ImageFont
 from torchvision.utils import make_grid
 
@@ -118,9 +119,7 @@ def cls_attention(weights: torch.Tensor, grid_size: int) -> torch.Tensor:
 
 @lru_cache(maxsize=4)
 def _colormap(name: str) -> torch.Tensor:
-    import matplotlib
-
-    return torch.from_numpy(matplotlib.colormaps[name](np.linspace(0, 1, 256))[:, :3]).float()
+    return torch.from_numpy(colormaps[name](np.linspace(0, 1, 256))[:, :3]).float()
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:

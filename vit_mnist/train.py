@@ -12,6 +12,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from vit_mnist.callbacks.throughput import TrainThroughput
 from vit_mnist.errors import ConfigError
 from vit_mnist.models.vit import check_vit_args
 from vit_mnist.module import ViTClassifier
@@ -76,7 +77,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "precision": str(cfg.trainer.get("precision", "32-true")),
         "seed": cfg.seed,
     }
+    throughput = TrainThroughput()
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
+    callbacks.append(throughput)
     loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values()]
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
 
@@ -105,6 +108,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         **test_metrics,
         "num_params": num_params,
         "train_time_s": round(train_time_s, 2),
+        # Median over epochs of the training loop alone (no validation, no map logging).
+        "train_images_per_s": round(throughput.median, 1) if throughput.median else None,
         "epochs": trainer.current_epoch,
         "global_steps": trainer.global_step,
         "device": describe_device(trainer.strategy.root_device),
