@@ -74,3 +74,15 @@ def test_train_cli_with_user_overrides_then_eval(tmp_path):
     result = run("eval.py", f"ckpt_path={best}", f"hydra.run.dir={tmp_path / 'eval'}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"test/acc = {metrics['test/acc']:.4f}" in result.stdout
+
+
+def test_predict_without_images_or_checkpoint_is_one_line(tmp_path):
+    result = run(
+        "scripts/predict.py",
+        f"ckpt_path={tmp_path / 'x.ckpt'}",
+        "images=[a.png]",
+        f"hydra.run.dir={tmp_path}",
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: checkpoint")
+    assert "Traceback" not in result.stderr

@@ -11,9 +11,22 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
-from vit_mnist.errors import CheckpointError
+from vit_mnist.analysis import (
+    class_report,
+    confusion_matrix_figure,
+    head_importance,
+    head_importance_figure,
+    head_statistics,
+    misclassified_grid,
+    predict,
+    save_figure,
+    write_csv,
+)
+from vit_mnist.drawing import save_png
+from vit_mnist.errors import CheckpointError, ConfigError
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
 from vit_mnist.utils import describe_device, exit_on_user_error, write_metrics
 
@@ -54,29 +67,58 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     return ckpt
 
 
-def evaluate(cfg: DictConfig) -> dict[str, Any]:
-    """Test the checkpoint at ``cfg.ckpt_path`` and write ``metrics.json`` into the run dir.
-
-    The model is rebuilt from the arguments stored in the checkpoint; the dataset is the
-    one the checkpoint was trained on unless ``cfg.data`` is given. The precision is the
-    one used in training, so the test accuracy matches the training run's.
-
-    Returns:
-        ``test/acc`` (fraction in [0, 1]), ``test/loss``, ``ckpt_path``, ``device`` and
-        ``dataset``.
+def resolve_ckpt_path(cfg: DictConfig) -> Path:
+    """``cfg.ckpt_path`` as a path; ``latest`` is the newest ``best-*.ckpt`` under outputs/.
 
     Raises:
-        CheckpointError: see :func:`read_checkpoint`.
+        CheckpointError: no ``ckpt_path`` given, or ``latest`` finds no checkpoint.
     """
     if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
         raise CheckpointError(
             "ckpt_path is required: python eval.py "
-            "ckpt_path=outputs/train/runs/<run>/checkpoints/<best-...>.ckpt"
+            "ckpt_path=outputs/train/runs/<run>/checkpoints/<best-...>.ckpt (or ckpt_path=latest)"
         )
-    ckpt_path = Path(cfg.ckpt_path)
+    if str(cfg.ckpt_path) != "latest":
+        return Path(cfg.ckpt_path)
+    log_dir = Path(cfg.paths.log_dir)
+    found = sorted(log_dir.rglob("best-*.ckpt"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise CheckpointError(
+            f"ckpt_path=latest: no best-*.ckpt under {log_dir}; train first or give a path"
+        )
+    log.info("ckpt_path=latest -> %s", found[-1])
+    return found[-1]
+
+
+def evaluate(cfg: DictConfig) -> dict[str, Any]:
+    """Test the checkpoint at ``cfg.ckpt_path`` and write the evaluation into the run dir.
+
+    The model is rebuilt from the arguments stored in the checkpoint; the dataset is the
+    one the checkpoint was trained on unless ``cfg.data`` is given. The precision is the
+    one used in training, so the test accuracy matches the training run's. Loaded on the
+    CPU first, so a checkpoint trained on a GPU evaluates anywhere.
+
+    Writes ``metrics.json`` (overall and per-class metrics, the confusion matrix),
+    ``per_class.csv``, ``confusion_matrix.png``, ``misclassified.png`` and TensorBoard
+    events; with ``analysis=heads`` also ``head_importance.csv`` and
+    ``head_importance.png``.
+
+    Returns:
+        The metrics written to ``metrics.json``: ``test/acc`` (fraction in [0, 1]),
+        ``test/loss``, ``per_class``, ``confusion_matrix``, ``num_misclassified``, ...
+
+    Raises:
+        CheckpointError: see :func:`read_checkpoint` and :func:`resolve_ckpt_path`.
+    """
+    if cfg.get("analysis") not in (None, "heads"):
+        raise ConfigError(
+            f"analysis={cfg.analysis!r} is unknown; use analysis=heads or leave it out"
+        )
+    ckpt_path = resolve_ckpt_path(cfg)
     ckpt = read_checkpoint(ckpt_path)
     run_info = ckpt.get(RUN_INFO_KEY, {})
     L.seed_everything(cfg.seed, workers=True)
+    out = Path(cfg.paths.output_dir)
 
     if cfg.get("data") is not None:
         data_cfg = cfg.data
@@ -97,16 +139,87 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers, precision=precision)
     results = trainer.test(module, datamodule=datamodule)[0]
 
+    loader = datamodule.test_dataloader()
+    logits, labels = predict(trainer, module, loader)
+    images = torch.cat([batch[0] for batch in loader])
+    num_classes = logits.shape[1]
+    class_names = list(getattr(datamodule, "class_names", None) or map(str, range(num_classes)))
+    rows, cm = class_report(logits, labels, class_names)
+    write_csv(out / "per_class.csv", rows)
+    dataset = getattr(datamodule, "name", type(datamodule).__name__)
+    cm_figure = confusion_matrix_figure(cm, class_names, f"{dataset} test set, {ckpt_path.name}")
+    grid, num_tiles = misclassified_grid(images, logits, labels, class_names)
+    save_png(grid, out / "misclassified.png")
+    writer = next(
+        (lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None
+    )
+    if writer is not None:
+        writer.add_figure("confusion_matrix", cm_figure, close=False)
+        writer.add_image("misclassified", grid)
+        for r in rows:
+            for key in ("accuracy", "precision", "recall"):
+                writer.add_scalar(f"test_per_class/{key}/{r['name']}", r[key])
+    save_figure(cm_figure, out / "confusion_matrix.png")
+
     metrics = {
         **results,
+        "num_test_images": len(labels),
+        "num_misclassified": int((logits.argmax(1) != labels).sum()),
+        "misclassified_tiles": num_tiles,
+        "per_class": {
+            r["name"]: {k: r[k] for k in ("support", "accuracy", "precision", "recall")}
+            for r in rows
+        },
+        "confusion_matrix": cm.tolist(),
         "ckpt_path": str(ckpt_path.resolve()),
         "device": describe_device(trainer.strategy.root_device),
         "precision": str(trainer.precision),
-        "dataset": getattr(datamodule, "name", type(datamodule).__name__),
+        "dataset": dataset,
         "data_source": getattr(datamodule, "source", None),
     }
     print(f"test/acc = {results['test/acc']:.4f}  (test/loss = {results['test/loss']:.4f})")
-    return write_metrics(Path(cfg.paths.output_dir) / "metrics.json", metrics)
+    if cfg.get("analysis") == "heads":
+        # A quiet trainer for the 1 + depth * heads passes: no progress bars, no logger.
+        quiet = hydra.utils.instantiate(
+            cfg.trainer,
+            precision=precision,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        metrics["head_importance"] = analyse_heads(quiet, module, loader, images, out, writer)
+    elif cfg.get("analysis") not in (None, "none"):
+        raise ConfigError(
+            f"analysis={cfg.analysis!r} is unknown; use analysis=heads or leave it out"
+        )
+    return write_metrics(out / "metrics.json", metrics)
+
+
+def analyse_heads(trainer, module, loader, images, out: Path, writer) -> dict[str, Any]:
+    """Head importance and head statistics, written as CSV, PNG and TensorBoard scalars."""
+    baseline, rows = head_importance(trainer, module, loader)
+    # Statistics on the first 1 000 test images: plenty for a per-head mean.
+    entropy, distance = head_statistics(module.net, images[:1000])
+    for r in rows:
+        r["entropy_nats"] = round(float(entropy[r["layer"], r["head"]]), 4)
+        r["mean_distance_px"] = round(float(distance[r["layer"], r["head"]]), 3)
+        if writer is not None:
+            tag = f"layer_{r['layer']}/head_{r['head']}"
+            writer.add_scalar(f"head_importance/acc_drop/{tag}", r["acc_drop"])
+    write_csv(out / "head_importance.csv", rows)
+    model = module.net
+    title = f"test accuracy {100 * baseline['acc']:.2f}%: drop when one head is zeroed"
+    figure = head_importance_figure(rows, model.depth, model.num_heads, title)
+    if writer is not None:
+        writer.add_figure("head_importance", figure, close=False)
+    save_figure(figure, out / "head_importance.png")
+    print(f"{'layer':>5} {'head':>4} {'acc':>7} {'drop':>7} {'entropy':>8} {'dist_px':>8}")
+    for r in rows:
+        print(
+            f"{r['layer']:>5} {r['head']:>4} {100 * r['acc']:6.2f}% {100 * r['acc_drop']:6.2f} "
+            f"{r['entropy_nats']:8.3f} {r['mean_distance_px']:8.2f}"
+        )
+    return {"baseline": baseline, "heads": rows}
 
 
 @exit_on_user_error

@@ -135,6 +135,11 @@ class ViTClassifier(L.LightningModule):
     def test_step(self, batch, batch_idx: int) -> None:
         self._eval_step(batch, self.test_acc, self.test_loss, "test")
 
+    def predict_step(self, batch, batch_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(images, labels) or images -> (float32 logits (B, num_classes), labels or None)."""
+        x, y = batch if isinstance(batch, list | tuple) else (batch, None)
+        return self(x).float(), y
+
     def configure_optimizers(self):
         decay, no_decay = [], []
         for name, p in self.net.named_parameters():

@@ -73,7 +73,7 @@ def exit_on_user_error(func: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return func(*args, **kwargs)
         except USER_ERRORS as e:
-            log.error("%s", e)
+            # One line on stderr; logging it too would print it twice on the console.
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
 

@@ -29,6 +29,7 @@ class InMemoryDataModule(L.LightningDataModule):
 
     name = "in-memory"
     num_classes = 10
+    class_names: tuple[str, ...] = tuple(str(i) for i in range(10))
     image_shape = (1, 28, 28)
 
     # Normalised value of a black pixel, used to fill what augmentation brings in.

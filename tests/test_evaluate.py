@@ -1,0 +1,173 @@
+"""Full evaluation, head importance, and prediction on a person's own images."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import compose_config
+from vit_mnist.analysis import heads_zeroed
+from vit_mnist.evaluate import evaluate, resolve_ckpt_path
+from vit_mnist.models import VisionTransformer
+from vit_mnist.predict import load_model, mnist_preprocess, predict_images
+from vit_mnist.train import train
+
+MNIST_TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+
+
+def count_tiles(png: Path, n_cols: int = 20) -> int:
+    """Cells of misclassified.png that hold a picture (not plain white)."""
+    a = np.asarray(Image.open(png).convert("L")).astype(int)
+    cell_h, cell_w = 28 * 3 + 14, 28 * 3 + 4
+    top = a.shape[0] - cell_h * ((a.shape[0] - 16) // cell_h)
+    count = 0
+    for r in range((a.shape[0] - top) // cell_h):
+        for c in range(n_cols):
+            y, x = top + r * cell_h + 13, c * cell_w + 2
+            if (a[y : y + 84, x : x + 84] < 255).any():
+                count += 1
+    return count
+
+
+@pytest.fixture(scope="module")
+def synthetic_ckpt(tmp_path_factory):
+    from tests.conftest import TINY_MODEL
+
+    out = tmp_path_factory.mktemp("synthetic_run")
+    overrides = ["data=synthetic", "trainer=cpu", "trainer.max_epochs=1", *TINY_MODEL]
+    metrics = train(compose_config("train", overrides, out))
+    return Path(metrics["best_ckpt"]), metrics
+
+
+def test_eval_writes_every_report(synthetic_ckpt, tmp_path):
+    ckpt, train_metrics = synthetic_ckpt
+    cfg = compose_config("eval", [f"ckpt_path={ckpt}", "trainer=cpu"], tmp_path)
+    metrics = evaluate(cfg)
+    assert metrics["test/acc"] == train_metrics["test/acc"]
+    for name in ("metrics.json", "per_class.csv", "confusion_matrix.png", "misclassified.png"):
+        assert (tmp_path / name).is_file(), name
+    cm = torch.tensor(metrics["confusion_matrix"])
+    assert cm.sum() == metrics["num_test_images"] == 128
+    assert cm.trace() == round(metrics["test/acc"] * 128)
+    rows = list(csv.DictReader((tmp_path / "per_class.csv").open()))
+    assert [int(r["support"]) for r in rows] == cm.sum(dim=1).tolist()
+    errors = 128 - int(cm.trace())
+    assert metrics["num_misclassified"] == metrics["misclassified_tiles"] == errors
+    assert count_tiles(tmp_path / "misclassified.png") == errors
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_head_importance(synthetic_ckpt, tmp_path):
+    ckpt, _ = synthetic_ckpt
+    cfg = compose_config("eval", [f"ckpt_path={ckpt}", "trainer=cpu", "analysis=heads"], tmp_path)
+    metrics = evaluate(cfg)
+    rows = list(csv.DictReader((tmp_path / "head_importance.csv").open()))
+    assert [(int(r["layer"]), int(r["head"])) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in rows:
+        assert 0 <= float(r["acc"]) <= 1
+        assert 0 <= float(r["entropy_nats"]) <= np.log(17) + 1e-4
+        assert float(r["mean_distance_px"]) > 0
+    assert metrics["head_importance"]["baseline"]["acc"] == pytest.approx(metrics["test/acc"])
+    assert (tmp_path / "head_importance.png").is_file()
+
+
+def test_heads_zeroed_removes_exactly_that_head():
+    torch.manual_seed(0)
+    model = VisionTransformer(embed_dim=16, depth=2, num_heads=4, patch_size=7).eval()
+    x = torch.randn(3, 1, 28, 28)
+    before = model(x)
+    with heads_zeroed(model, 1, [2]):
+        ablated = model(x)
+    torch.testing.assert_close(model(x), before)  # the hook is gone afterwards
+    assert not torch.allclose(ablated, before)
+    # Same as removing head 2's columns from W^O.
+    with torch.no_grad():
+        model.blocks[1].attn.proj.weight[:, 8:12] = 0
+    torch.testing.assert_close(model(x), ablated)
+
+
+def test_ckpt_path_latest_picks_newest_best(tmp_path):
+    cfg = compose_config("eval", ["ckpt_path=latest"], tmp_path / "eval")
+    cfg.paths.log_dir = str(tmp_path / "outputs")
+    old = tmp_path / "outputs/train/runs/a/checkpoints/best-epoch001-val_acc0.9.ckpt"
+    new = tmp_path / "outputs/train/runs/b/checkpoints/best-epoch003-val_acc0.8.ckpt"
+    for i, path in enumerate((old, new)):
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"x")
+        os.utime(path, (time.time() - 100 + i, time.time() - 100 + i))
+    (new.parent / "last.ckpt").write_bytes(b"x")
+    assert resolve_ckpt_path(cfg) == new
+
+
+def test_preprocess_recovers_an_mnist_style_digit():
+    digit = torch.zeros(28, 28)
+    digit[6:22, 12:16] = 1.0  # a "1", centred
+    photo = Image.fromarray((255 - digit.numpy() * 255).astype(np.uint8)).resize((300, 300))
+    x = mnist_preprocess(photo)
+    assert x.shape == (1, 28, 28) and 0 <= x.min() and x.max() <= 1
+    ys, xs = torch.nonzero(x[0] > 0.5, as_tuple=True)
+    assert ys.max() - ys.min() + 1 in (19, 20, 21)  # the tall side fits the 20-pixel box
+    mass = x[0].sum()
+    cy = (torch.arange(28)[:, None] * x[0]).sum() / mass
+    cx = (torch.arange(28)[None, :] * x[0]).sum() / mass
+    # Integer shifts: within half a pixel of (14, 14).
+    assert abs(cy - 14) <= 0.51 and abs(cx - 14) <= 0.51
+    with pytest.raises(ValueError, match="blank"):
+        mnist_preprocess(Image.new("L", (50, 50), 255))
+
+
+@pytest.mark.real_data
+def test_real_mnist_eval_and_prediction_on_saved_images(mnist_dir, tmp_path):
+    cfg = compose_config(
+        "train",
+        ["trainer=cpu", "trainer.max_epochs=3", "model.depth=3", "model.embed_dim=48"]
+        + ["module.lr=3e-3", "module.warmup_epochs=0.5"],
+        tmp_path / "train",
+    )
+    metrics = train(cfg)
+    assert metrics["test/acc"] > 0.9
+
+    eval_cfg = compose_config("eval", ["ckpt_path=" + metrics["best_ckpt"]], tmp_path / "eval")
+    result = evaluate(eval_cfg)
+    assert result["test/acc"] == metrics["test/acc"]
+    cm = torch.tensor(result["confusion_matrix"])
+    assert cm.sum(dim=1).tolist() == MNIST_TEST_COUNTS
+    assert result["num_misclassified"] == 10_000 - int(cm.trace())
+
+    # Ten test digits, one per class, saved as a person's photo would be: dark ink on
+    # white paper, three times larger.
+    module, data = load_model(metrics["best_ckpt"])
+    from vit_mnist.data import MNISTDataModule
+
+    dm = MNISTDataModule(data_dir=str(mnist_dir))
+    dm.setup()
+    x, y = dm.data_test.tensors
+    picks = [int(torch.nonzero(y == c)[0]) for c in range(10)]
+    with torch.no_grad():
+        expected = module(x[picks]).argmax(1).tolist()
+    paths = []
+    for c, i in enumerate(picks):
+        raw = (x[i, 0] * data["std"] + data["mean"]).clamp(0, 1).mul(255).round().byte().numpy()
+        path = tmp_path / f"digit_{c}.png"
+        Image.fromarray(255 - raw).resize((84, 84), Image.BICUBIC).save(path)
+        paths.append(path)
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes(b"\xff\xd8 not really a jpeg")
+    results = predict_images(module, [*paths, broken], tmp_path / "pred")
+    assert [r.top[0][0] for r in results[:10]] == [str(c) for c in expected]
+    assert results[10].path == broken and results[10].error and results[10].top == []
+    for r in results[:10]:
+        assert len(r.top) == 3 and r.picture.is_file()
+        assert (tmp_path / "pred" / f"{r.path.stem}_28x28.png").is_file()
+    assert (
+        json.loads((tmp_path / "eval" / "metrics.json").read_text())["test/acc"]
+        == result["test/acc"]
+    )
