@@ -40,6 +40,7 @@ def check_run(run_dir: Path, metrics: dict, epochs: int) -> Path:
     ckpts = run_dir / "checkpoints"
     best = sorted(ckpts.glob("best-*.ckpt"))
     assert len(best) == 1 and (ckpts / "last.ckpt").is_file()
+    assert not list(ckpts.glob("last-v*.ckpt")), "two callbacks must share one last.ckpt"
     assert metrics["best_ckpt"] == str(best[0])
 
     written = json.loads((run_dir / "metrics.json").read_text())

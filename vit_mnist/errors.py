@@ -17,3 +17,7 @@ class DataError(RuntimeError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint path that is missing, unreadable or not a checkpoint of this project."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite; the message names the step and the LR."""

@@ -25,6 +25,7 @@ from vit_mnist.analysis import (
     save_figure,
     write_csv,
 )
+from vit_mnist.checkpointing import resolve_latest
 from vit_mnist.drawing import save_png
 from vit_mnist.errors import CheckpointError, ConfigError
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
@@ -52,7 +53,8 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        text = str(e).strip()
+        first = text.splitlines()[0].split(". ")[0] if text else type(e).__name__
         raise CheckpointError(
             f"checkpoint {path} cannot be read (truncated or not a checkpoint?): {first}"
         ) from e
@@ -78,16 +80,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> Path:
             "ckpt_path is required: python eval.py "
             "ckpt_path=outputs/train/runs/<run>/checkpoints/<best-...>.ckpt (or ckpt_path=latest)"
         )
-    if str(cfg.ckpt_path) != "latest":
-        return Path(cfg.ckpt_path)
-    log_dir = Path(cfg.paths.log_dir)
-    found = sorted(log_dir.rglob("best-*.ckpt"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise CheckpointError(
-            f"ckpt_path=latest: no best-*.ckpt under {log_dir}; train first or give a path"
-        )
-    log.info("ckpt_path=latest -> %s", found[-1])
-    return found[-1]
+    return resolve_latest(cfg.ckpt_path, cfg.paths.log_dir, "best-*.ckpt")
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:

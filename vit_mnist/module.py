@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
 import lightning as L
@@ -11,7 +12,7 @@ from torch import nn
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from vit_mnist.errors import ConfigError
+from vit_mnist.errors import ConfigError, NonFiniteLossError
 from vit_mnist.models.vit import VisionTransformer
 
 RUN_INFO_KEY = "vit_mnist"
@@ -97,19 +98,30 @@ class ViTClassifier(L.LightningModule):
         self.val_acc_best = MaxMetric()
         # Filled by train(): data config, precision, seed; stored in every checkpoint.
         self.run_info: dict[str, Any] = {}
+        self._resumed_val_acc_best: float | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, 1, 28, 28) float -> logits (B, num_classes)."""
         return self.net(x)
 
     def on_train_start(self) -> None:
-        # The sanity-check validation must not count towards the best accuracy.
+        # The sanity-check validation must not count towards the best accuracy; a resumed
+        # run starts from the best of the run it continues.
         self.val_acc_best.reset()
+        if self._resumed_val_acc_best is not None:
+            self.val_acc_best(torch.tensor(self._resumed_val_acc_best))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         x, y = batch
         logits = self(x)
         loss = self.criterion(logits, y)
+        if not torch.isfinite(loss):
+            lr = self.trainer.optimizers[0].param_groups[0]["lr"] if self.trainer else float("nan")
+            raise NonFiniteLossError(
+                f"training loss is {loss.item()} at step {self.global_step} (epoch "
+                f"{self.current_epoch}) with learning rate {lr:.3g}; stopped, and the last "
+                "good checkpoint is kept. Lower module.lr or set trainer.gradient_clip_val=1.0"
+            )
         self.train_acc(logits, y)
         self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
@@ -178,6 +190,23 @@ class ViTClassifier(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[RUN_INFO_KEY] = dict(self.run_info)
+        best = self.val_acc_best.max_value
+        checkpoint["val_acc_best"] = float(best) if torch.isfinite(best) else None
+        # Lightning stores no RNG state; with it a resumed run draws the same shuffles
+        # and augmentations as an uninterrupted one. Plain tensors and tuples of ints,
+        # so the file still loads with weights_only=True.
+        checkpoint["rng_states"] = {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python": random.getstate(),
+        }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.run_info = dict(checkpoint.get(RUN_INFO_KEY, {}))
+        self._resumed_val_acc_best = checkpoint.get("val_acc_best")
+        states = checkpoint.get("rng_states")
+        if states:
+            torch.set_rng_state(states["torch"])
+            if states["cuda"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(states["cuda"])
+            random.setstate(states["python"])

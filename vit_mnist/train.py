@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -10,10 +12,14 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from vit_mnist.callbacks.throughput import TrainThroughput
+from vit_mnist.checkpointing import AtomicCheckpointIO, SaveOnInterrupt, resolve_latest
+from vit_mnist.data.augment import BatchRandomAffine
 from vit_mnist.errors import ConfigError
+from vit_mnist.evaluate import read_checkpoint
 from vit_mnist.models.vit import check_vit_args
 from vit_mnist.module import ViTClassifier
 from vit_mnist.utils import describe_device, exit_on_user_error, write_metrics
@@ -25,25 +31,87 @@ def _resolved(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if node is not None else None
 
 
+def _positive(key: str, value: Any, kind: type = int) -> None:
+    ok = isinstance(value, kind) and not isinstance(value, bool) and value > 0
+    if kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+    if not ok:
+        noun = "integer" if kind is int else "number"
+        raise ConfigError(f"{key}={value!r} must be a positive {noun}")
+
+
+def _check_precision(trainer_cfg: DictConfig) -> None:
+    precision = str(trainer_cfg.get("precision", "32-true"))
+    accelerator = str(trainer_cfg.get("accelerator", "auto"))
+    on_cuda = accelerator in ("gpu", "cuda") or (
+        accelerator == "auto" and torch.cuda.is_available()
+    )
+    valid = ["32-true", "32", "bf16-mixed", "bf16-true", "64-true"]
+    valid += ["16-mixed", "16-true"] if on_cuda else []
+    device = "cuda" if on_cuda else "cpu"
+    if precision not in valid:
+        raise ConfigError(
+            f"trainer.precision={precision} cannot run on {device}; use one of {valid}"
+        )
+    if on_cuda and precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"trainer.precision={precision}: this GPU has no bfloat16; use 16-mixed or 32-true"
+        )
+
+
+def _check_data_dir(data_dir: str) -> None:
+    from vit_mnist.data.sources import MNIST_MD5, raw_folder
+
+    if all((raw_folder(data_dir) / name).is_file() for name in MNIST_MD5):
+        return  # complete already: read-only is fine
+    existing = Path(data_dir).resolve()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"data.data_dir={data_dir} cannot be written ({existing} is not a writable "
+            "folder) and holds no MNIST yet; choose a writable folder with data.data_dir=PATH"
+        )
+
+
 def check_config(cfg: DictConfig) -> None:
-    """Fail fast, before any data is read, on settings that cannot work.
+    """Fail fast, before any data is read or a model is built, on settings that cannot work.
+
+    Checks the model shape, sizes and rates, the device and its precision, and that the
+    data directory can be written when the data must be fetched into it.
 
     Raises:
-        ConfigError: naming the key, the value and what would be valid.
+        ConfigError: one line naming the key, the value and what would be valid.
     """
     check_vit_args(**_resolved(cfg.model))
-    batch_size = cfg.data.get("batch_size")
-    if batch_size is not None and (not isinstance(batch_size, int) or batch_size <= 0):
-        raise ConfigError(f"data.batch_size={batch_size!r} must be a positive integer")
-    max_epochs = cfg.trainer.get("max_epochs")
-    if max_epochs is not None and max_epochs <= 0:
-        raise ConfigError(f"trainer.max_epochs={max_epochs} must be positive")
+    data = cfg.data
+    _positive("data.batch_size", data.get("batch_size"))
+    if data.get("num_workers", 0) < 0:
+        raise ConfigError(f"data.num_workers={data.num_workers} must be >= 0")
+    if data.get("augment"):
+        BatchRandomAffine(**_resolved(data.augment))  # raises ConfigError on bad ranges
+    if data.get("data_dir") is not None:
+        _check_data_dir(str(data.data_dir))
+    module = cfg.module
+    _positive("module.lr", module.get("lr"), float)
+    for key in ("weight_decay", "warmup_epochs"):
+        if module.get(key, 0) < 0:
+            raise ConfigError(f"module.{key}={module[key]} must be >= 0")
+    if not 0 <= module.get("label_smoothing", 0) < 1:
+        raise ConfigError(f"module.label_smoothing={module.label_smoothing} must be in [0, 1)")
+    if not 0 <= module.get("min_lr_ratio", 0) <= 1:
+        raise ConfigError(f"module.min_lr_ratio={module.min_lr_ratio} must be in [0, 1]")
+    _positive("trainer.max_epochs", cfg.trainer.get("max_epochs"))
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ConfigError(
             f"trainer.accelerator={accelerator} but this machine has no CUDA device; "
             "use trainer=cpu or trainer=default (accelerator: auto)"
         )
+    _check_precision(cfg.trainer)
+    every = (cfg.get("callbacks") or {}).get("last_checkpoint", {}).get("every_n_train_steps")
+    if every is not None:
+        _positive("callbacks.last_checkpoint.every_n_train_steps", every)
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -62,6 +130,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         DataError: data files that cannot be found, fetched or verified.
     """
     check_config(cfg)
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is not None:
+        ckpt_path = resolve_latest(ckpt_path, cfg.paths.log_dir, "last.ckpt")
+        read_checkpoint(ckpt_path)  # a clear error for a missing or foreign file
     L.seed_everything(cfg.seed, workers=True)
     output_dir = Path(cfg.paths.output_dir)
 
@@ -79,9 +151,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     }
     throughput = TrainThroughput()
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
-    callbacks.append(throughput)
+    callbacks += [throughput, SaveOnInterrupt()]
     loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values()]
-    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
+    trainer: L.Trainer = hydra.utils.instantiate(
+        cfg.trainer, callbacks=callbacks, logger=loggers, plugins=[AtomicCheckpointIO()]
+    )
 
     num_params = sum(p.numel() for p in module.net.parameters())
     for lg in trainer.loggers:
@@ -90,7 +164,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         )
 
     start = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     train_time_s = time.perf_counter() - start
     fit_metrics = {
         k: v for k, v in trainer.callback_metrics.items() if k.startswith(("train/", "val/"))
@@ -118,11 +192,20 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "data_source": getattr(datamodule, "source", None),
         "best_ckpt": best_ckpt or None,
         "seed": cfg.seed,
+        "resumed_from": str(ckpt_path) if ckpt_path else None,
     }
     return write_metrics(output_dir / "metrics.json", metrics)
 
 
 @exit_on_user_error
 def main(cfg: DictConfig) -> dict[str, Any]:
-    """The body of ``python train.py``: ``train(cfg)``, bad input reported in one line."""
-    return train(cfg)
+    """The body of ``python train.py``: ``train(cfg)``, bad input reported in one line.
+
+    Exit status: 0 when done, 2 for bad input or a non-finite loss, 1 after Ctrl-C and
+    143 after SIGTERM (both after saving ``last.ckpt``).
+    """
+    try:
+        return train(cfg)
+    except SIGTERMException:
+        # Lightning's SIGTERMException is a SystemExit with status 0: make it a failure.
+        raise SystemExit(128 + signal.SIGTERM) from None

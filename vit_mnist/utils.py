@@ -13,14 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.errors import InstantiationException
 
 from vit_mnist.data.sources import atomic_write_bytes
-from vit_mnist.errors import CheckpointError, ConfigError, DataError
+from vit_mnist.errors import CheckpointError, ConfigError, DataError, NonFiniteLossError
 
 log = logging.getLogger(__name__)
 
 # Errors whose message is the whole story: the command line prints one line, exits 2.
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, NonFiniteLossError)
 
 
 def write_metrics(path: str | Path, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -72,9 +73,14 @@ def exit_on_user_error(func: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
-        except USER_ERRORS as e:
+        except (*USER_ERRORS, InstantiationException) as e:
+            # hydra.utils.instantiate wraps what a constructor raises: report the cause.
+            cause = e.__cause__ if isinstance(e, InstantiationException) else e
+            if not isinstance(cause, USER_ERRORS):
+                raise
             # One line on stderr; logging it too would print it twice on the console.
-            print(f"error: {e}", file=sys.stderr)
+            log.debug("user error", exc_info=True)
+            print(f"error: {cause}", file=sys.stderr)
             raise SystemExit(2) from None
 
     return wrapper

