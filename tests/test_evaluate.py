@@ -65,6 +65,18 @@ def test_eval_writes_every_report(synthetic_ckpt, tmp_path):
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def test_gpu_float16_checkpoint_evaluates_on_cpu(synthetic_ckpt, tmp_path):
+    ckpt, train_metrics = synthetic_ckpt
+    saved = torch.load(ckpt, weights_only=True)
+    saved["vit_mnist"]["precision"] = "16-mixed"  # as written by a run on a GPU
+    gpu_ckpt = tmp_path / "gpu.ckpt"
+    torch.save(saved, gpu_ckpt)
+    cfg = compose_config("eval", [f"ckpt_path={gpu_ckpt}", "trainer=cpu"], tmp_path / "eval")
+    metrics = evaluate(cfg)
+    assert metrics["precision"] == "32-true"
+    assert metrics["test/acc"] == train_metrics["test/acc"]
+
+
 def test_head_importance(synthetic_ckpt, tmp_path):
     ckpt, _ = synthetic_ckpt
     cfg = compose_config("eval", [f"ckpt_path={ckpt}", "trainer=cpu", "analysis=heads"], tmp_path)

@@ -10,7 +10,6 @@ model and any batch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -218,8 +217,3 @@ def attention_report(
         zoom=zoom,
     )
     return report
-
-
-def max_entropy(tokens: int) -> float:
-    """Entropy of uniform attention over ``tokens`` tokens, in nats: ``log(tokens)``."""
-    return math.log(tokens)

@@ -128,6 +128,13 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     # The training precision, unless `precision=` says otherwise: bf16 and fp32 logits can
     # differ in the last bits, and the accuracy should match the training run's.
     precision = cfg.get("precision") or run_info.get("precision") or cfg.trainer.precision
+    on_cpu = cfg.trainer.accelerator == "cpu" or (
+        cfg.trainer.accelerator == "auto" and not torch.cuda.is_available()
+    )
+    if on_cpu and str(precision).startswith("16") and not cfg.get("precision"):
+        # A checkpoint trained with float16 on a GPU: float16 is a GPU format, use float32.
+        log.info("trained with precision=%s on a GPU; evaluating in 32-true on the CPU", precision)
+        precision = "32-true"
     loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values()]
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers, precision=precision)
     results = trainer.test(module, datamodule=datamodule)[0]

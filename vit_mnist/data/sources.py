@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import pickle
-import shutil
 import struct
 import subprocess
 import sys
@@ -247,8 +246,3 @@ def ensure_mnist(root: str | Path, download: bool = True) -> str:
     _record_source(root, source)
     log.info("MNIST: source = %s", source)
     return source
-
-
-def remove_raw(root: str | Path) -> None:
-    """Delete ``<root>/MNIST`` (used by tests and by a user fixing a corrupted copy)."""
-    shutil.rmtree(Path(root) / "MNIST", ignore_errors=True)
