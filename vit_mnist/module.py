@@ -39,6 +39,34 @@ def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_rati
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def check_module_args(
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    warmup_epochs: float = 0.0,
+    min_lr_ratio: float = 0.0,
+    label_smoothing: float = 0.0,
+    **_: Any,
+) -> None:
+    """Check the optimizer, schedule and loss settings of :class:`ViTClassifier`.
+
+    Called by its constructor and, before any data is read, by ``train(cfg)``.
+
+    Raises:
+        ConfigError: naming the ``module.*`` key and its value.
+    """
+    if isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0:
+        raise ConfigError(f"module.lr={lr!r} must be a positive number")
+    if weight_decay < 0:
+        raise ConfigError(f"module.weight_decay={weight_decay} must be >= 0")
+    if warmup_epochs < 0:
+        raise ConfigError(f"module.warmup_epochs={warmup_epochs} must be >= 0")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ConfigError(f"module.min_lr_ratio={min_lr_ratio} must be in [0, 1]")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ConfigError(f"module.label_smoothing={label_smoothing} must be in [0, 1)")
+
+
 class ViTClassifier(L.LightningModule):
     """Trains a :class:`~vit_mnist.models.vit.VisionTransformer` with cross-entropy and AdamW.
 
@@ -62,8 +90,8 @@ class ViTClassifier(L.LightningModule):
     fractions in [0, 1]).
 
     Raises:
-        ConfigError: a non-positive ``lr``, a negative ``weight_decay`` or
-            ``warmup_epochs``, or ``label_smoothing`` outside [0, 1).
+        ConfigError: see :func:`check_module_args`, and for the model
+            :func:`~vit_mnist.models.vit.check_vit_args`.
     """
 
     def __init__(
@@ -78,14 +106,13 @@ class ViTClassifier(L.LightningModule):
         label_smoothing: float = 0.0,
     ) -> None:
         super().__init__()
-        if not lr > 0:
-            raise ConfigError(f"module.lr={lr} must be positive")
-        if weight_decay < 0:
-            raise ConfigError(f"module.weight_decay={weight_decay} must be >= 0")
-        if warmup_epochs < 0:
-            raise ConfigError(f"module.warmup_epochs={warmup_epochs} must be >= 0")
-        if not 0.0 <= label_smoothing < 1.0:
-            raise ConfigError(f"module.label_smoothing={label_smoothing} must be in [0, 1)")
+        check_module_args(
+            lr=lr,
+            weight_decay=weight_decay,
+            warmup_epochs=warmup_epochs,
+            min_lr_ratio=min_lr_ratio,
+            label_smoothing=label_smoothing,
+        )
         self.save_hyperparameters()
         self.net = VisionTransformer(**model)
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)

@@ -18,11 +18,12 @@ from omegaconf import DictConfig, OmegaConf
 from vit_mnist.callbacks.throughput import TrainThroughput
 from vit_mnist.checkpointing import AtomicCheckpointIO, SaveOnInterrupt, resolve_latest
 from vit_mnist.data.augment import BatchRandomAffine
+from vit_mnist.data.sources import MNIST_MD5, raw_folder
 from vit_mnist.errors import ConfigError
 from vit_mnist.evaluate import read_checkpoint
 from vit_mnist.models.vit import check_vit_args
-from vit_mnist.module import ViTClassifier
-from vit_mnist.utils import describe_device, exit_on_user_error, write_metrics
+from vit_mnist.module import ViTClassifier, check_module_args
+from vit_mnist.utils import describe_device, exit_on_user_error, uses_cuda, write_metrics
 
 log = logging.getLogger(__name__)
 
@@ -31,27 +32,26 @@ def _resolved(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if node is not None else None
 
 
-def _positive(key: str, value: Any, kind: type = int) -> None:
-    ok = isinstance(value, kind) and not isinstance(value, bool) and value > 0
-    if kind is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
-    if not ok:
-        noun = "integer" if kind is int else "number"
-        raise ConfigError(f"{key}={value!r} must be a positive {noun}")
+def _positive_int(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{key}={value!r} must be a positive integer")
 
 
-def _check_precision(trainer_cfg: DictConfig) -> None:
-    precision = str(trainer_cfg.get("precision", "32-true"))
+def _check_device(trainer_cfg: DictConfig) -> None:
     accelerator = str(trainer_cfg.get("accelerator", "auto"))
-    on_cuda = accelerator in ("gpu", "cuda") or (
-        accelerator == "auto" and torch.cuda.is_available()
-    )
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"trainer.accelerator={accelerator} but this machine has no CUDA device; "
+            "use trainer=cpu or trainer=default (accelerator: auto)"
+        )
+    on_cuda = uses_cuda(accelerator)
+    precision = str(trainer_cfg.get("precision", "32-true"))
     valid = ["32-true", "32", "bf16-mixed", "bf16-true", "64-true"]
     valid += ["16-mixed", "16-true"] if on_cuda else []
-    device = "cuda" if on_cuda else "cpu"
     if precision not in valid:
         raise ConfigError(
-            f"trainer.precision={precision} cannot run on {device}; use one of {valid}"
+            f"trainer.precision={precision} cannot run on {'cuda' if on_cuda else 'cpu'}; "
+            f"use one of {valid}"
         )
     if on_cuda and precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
         raise ConfigError(
@@ -60,8 +60,6 @@ def _check_precision(trainer_cfg: DictConfig) -> None:
 
 
 def _check_data_dir(data_dir: str) -> None:
-    from vit_mnist.data.sources import MNIST_MD5, raw_folder
-
     if all((raw_folder(data_dir) / name).is_file() for name in MNIST_MD5):
         return  # complete already: read-only is fine
     existing = Path(data_dir).resolve()
@@ -85,33 +83,19 @@ def check_config(cfg: DictConfig) -> None:
     """
     check_vit_args(**_resolved(cfg.model))
     data = cfg.data
-    _positive("data.batch_size", data.get("batch_size"))
+    _positive_int("data.batch_size", data.get("batch_size"))
     if data.get("num_workers", 0) < 0:
         raise ConfigError(f"data.num_workers={data.num_workers} must be >= 0")
     if data.get("augment"):
         BatchRandomAffine(**_resolved(data.augment))  # raises ConfigError on bad ranges
     if data.get("data_dir") is not None:
         _check_data_dir(str(data.data_dir))
-    module = cfg.module
-    _positive("module.lr", module.get("lr"), float)
-    for key in ("weight_decay", "warmup_epochs"):
-        if module.get(key, 0) < 0:
-            raise ConfigError(f"module.{key}={module[key]} must be >= 0")
-    if not 0 <= module.get("label_smoothing", 0) < 1:
-        raise ConfigError(f"module.label_smoothing={module.label_smoothing} must be in [0, 1)")
-    if not 0 <= module.get("min_lr_ratio", 0) <= 1:
-        raise ConfigError(f"module.min_lr_ratio={module.min_lr_ratio} must be in [0, 1]")
-    _positive("trainer.max_epochs", cfg.trainer.get("max_epochs"))
-    accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise ConfigError(
-            f"trainer.accelerator={accelerator} but this machine has no CUDA device; "
-            "use trainer=cpu or trainer=default (accelerator: auto)"
-        )
-    _check_precision(cfg.trainer)
+    check_module_args(**_resolved(cfg.module))
+    _positive_int("trainer.max_epochs", cfg.trainer.get("max_epochs"))
+    _check_device(cfg.trainer)
     every = (cfg.get("callbacks") or {}).get("last_checkpoint", {}).get("every_n_train_steps")
     if every is not None:
-        _positive("callbacks.last_checkpoint.every_n_train_steps", every)
+        _positive_int("callbacks.last_checkpoint.every_n_train_steps", every)
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:

@@ -56,6 +56,11 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def uses_cuda(accelerator: str) -> bool:
+    """Whether a Lightning ``accelerator`` setting runs on CUDA on this machine."""
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+
 def describe_device(device: torch.device) -> str:
     """A human-readable device line, e.g. ``cpu (AMD EPYC ..., 2 threads)``."""
     if device.type == "cuda":
