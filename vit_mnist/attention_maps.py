@@ -126,6 +126,7 @@ class AttentionReport:
         distance: ``distance[layer]`` is a (heads,) tensor of mean attention distance
             in pixels.
         weights: the raw weights, one (batch, heads, T, T) float tensor per layer.
+        logits: (batch, num_classes) float32, from the same forward pass.
     """
 
     layer_grids: list[torch.Tensor] = field(default_factory=list)
@@ -134,6 +135,7 @@ class AttentionReport:
     entropy: list[torch.Tensor] = field(default_factory=list)
     distance: list[torch.Tensor] = field(default_factory=list)
     weights: list[torch.Tensor] = field(default_factory=list)
+    logits: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -183,7 +185,7 @@ def attention_report(
         f"{name(label_list[i])}>{name(preds[i])}" if label_list is not None else name(preds[i])
         for i in range(n)
     ]
-    report = AttentionReport(weights=weights)
+    report = AttentionReport(weights=weights, logits=logits.float().cpu())
     for layer, w in enumerate(weights):
         heads = w.shape[1]
         maps = cls_attention(w, grid_size)  # (N, heads, g, g)

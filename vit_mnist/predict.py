@@ -142,7 +142,7 @@ def predict_images(
     x = torch.stack(inputs)  # (N, 1, 28, 28) in [0, 1]
     model = module.net
     report = attention_report(model, (x - mean) / std)
-    probs = model.eval()((x - mean) / std).float().softmax(dim=1)
+    probs = report.logits.softmax(dim=1)
     names = list(class_names or map(str, range(probs.shape[1])))
     grid = model.patch_embed.grid_size
     last = cls_attention(report.weights[-1], grid)  # (N, heads, g, g)

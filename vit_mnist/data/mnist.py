@@ -74,7 +74,10 @@ class MNISTDataModule(InMemoryDataModule):
         self.std = std
 
     def prepare_data(self) -> None:
-        self.source = ensure_mnist(self.data_dir, download=self.download)
+        # Lightning calls this before every fit/test/predict; the files were verified
+        # (MD5 of 55 MB) the first time in this process.
+        if self.source is None:
+            self.source = ensure_mnist(self.data_dir, download=self.download)
 
     def _normalise(self, images: torch.Tensor) -> torch.Tensor:
         x = TF.to_dtype(images.unsqueeze(1), torch.float32, scale=True)  # uint8 -> [0, 1]
