@@ -1,14 +1,7 @@
-"""Evaluate a checkpoint: `python eval.py ckpt_path=PATH` (see configs/eval.yaml)."""
+"""Evaluate a checkpoint: `python eval.py ckpt_path=PATH` (see configs/eval.yaml); same as
+`vit-mnist-eval`."""
 
-import hydra
-
-import vit_mnist.evaluate
-
-
-@hydra.main(version_base="1.3", config_path="configs", config_name="eval")
-def main(cfg):
-    vit_mnist.evaluate.main(cfg)
-
+from vit_mnist.cli import evaluate
 
 if __name__ == "__main__":
-    main()
+    evaluate()

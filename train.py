@@ -1,14 +1,6 @@
-"""Train a ViT: `python train.py [overrides]` (see configs/train.yaml)."""
+"""Train a ViT: `python train.py [overrides]` (see configs/train.yaml); = `vit-mnist-train`."""
 
-import hydra
-
-import vit_mnist.train
-
-
-@hydra.main(version_base="1.3", config_path="configs", config_name="train")
-def main(cfg):
-    vit_mnist.train.main(cfg)
-
+from vit_mnist.cli import train
 
 if __name__ == "__main__":
-    main()
+    train()

@@ -1,0 +1,1 @@
+"""Hydra configs; installed as the package ``vit_mnist.configs`` (see pyproject.toml)."""
