@@ -12,6 +12,9 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
@@ -57,6 +60,33 @@ def _check_device(trainer_cfg: DictConfig) -> None:
         raise ConfigError(
             f"trainer.precision={precision}: this GPU has no bfloat16; use 16-mixed or 32-true"
         )
+    devices = trainer_cfg.get("devices", 1)
+    if on_cuda and isinstance(devices, int) and devices > torch.cuda.device_count():
+        raise ConfigError(
+            f"trainer.devices={devices} but this machine has {torch.cuda.device_count()} "
+            "CUDA device(s); use trainer.devices=auto or a smaller number"
+        )
+
+
+def _check_launch(trainer_cfg: DictConfig) -> None:
+    """DDP inside a local Hydra multirun would re-run the whole sweep in every process.
+
+    Lightning starts DDP's extra processes by running the same command line again; with
+    ``-m`` that command is the sweep. Under SLURM (submitit) or torchrun the processes are
+    started outside, one per task, and nothing is re-run.
+    """
+    if not str(trainer_cfg.get("strategy", "auto")).startswith("ddp"):
+        return
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    if SLURMEnvironment.detect() or TorchElasticEnvironment.detect():
+        return
+    raise ConfigError(
+        f"trainer.strategy={trainer_cfg.strategy} cannot run inside a local multirun (-m): "
+        "Lightning would start each DDP process as a new sweep; run the jobs one at a "
+        "time, or sweep on SLURM with hydra/launcher=slurm "
+        "hydra.launcher.tasks_per_node=<devices>"
+    )
 
 
 def _check_data_dir(data_dir: str) -> None:
@@ -93,6 +123,7 @@ def check_config(cfg: DictConfig) -> None:
     check_module_args(**_resolved(cfg.module))
     _positive_int("trainer.max_epochs", cfg.trainer.get("max_epochs"))
     _check_device(cfg.trainer)
+    _check_launch(cfg.trainer)
     every = (cfg.get("callbacks") or {}).get("last_checkpoint", {}).get("every_n_train_steps")
     if every is not None:
         _positive_int("callbacks.last_checkpoint.every_n_train_steps", every)
@@ -107,7 +138,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     Returns:
         The metrics written to ``<paths.output_dir>/metrics.json``: ``test/acc``,
         ``test/loss``, ``val/acc_best`` (fractions), ``num_params``, ``train_time_s``
-        (wall seconds of ``trainer.fit``), ``device``, ``data_source`` and more.
+        (wall seconds of ``trainer.fit``), ``device``, ``data_source`` and more. Under DDP
+        the metrics are all-reduced over the processes, and only rank 0 writes the file.
 
     Raises:
         ConfigError: an impossible setting (checked before data or model are built).
@@ -134,9 +166,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "seed": cfg.seed,
     }
     throughput = TrainThroughput()
-    callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
+    # `callbacks.NAME=null` on the command line switches one off.
+    callbacks = [
+        hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None
+    ]
     callbacks += [throughput, SaveOnInterrupt()]
-    loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values()]
+    loggers = [
+        hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None
+    ]
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=callbacks, logger=loggers, plugins=[AtomicCheckpointIO()]
     )
@@ -165,9 +202,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         **fit_metrics,
         **test_metrics,
         "num_params": num_params,
+        "model": _resolved(cfg.model),
         "train_time_s": round(train_time_s, 2),
-        # Median over epochs of the training loop alone (no validation, no map logging).
-        "train_images_per_s": round(throughput.median, 1) if throughput.median else None,
+        # Median over epochs of the training loop alone (no validation, no map logging),
+        # for all processes together: DDP keeps them in step, so rank 0's rate x world size.
+        "train_images_per_s": (
+            round(throughput.median * trainer.world_size, 1) if throughput.median else None
+        ),
+        "world_size": trainer.world_size,
+        "effective_batch_size": cfg.data.batch_size * trainer.world_size,
         "epochs": trainer.current_epoch,
         "global_steps": trainer.global_step,
         "device": describe_device(trainer.strategy.root_device),
@@ -178,6 +221,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "seed": cfg.seed,
         "resumed_from": str(ckpt_path) if ckpt_path else None,
     }
+    if not trainer.is_global_zero:
+        # Under DDP every process has the same all-reduced metrics; one writes the file.
+        return metrics
     return write_metrics(output_dir / "metrics.json", metrics)
 
 

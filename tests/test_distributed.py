@@ -1,0 +1,135 @@
+"""Several processes: DDP on CPU processes, Hydra's joblib and submitit launchers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.conftest import CONFIG_DIR, ROOT, TINY_MODEL, compose_config
+from vit_mnist.evaluate import evaluate, read_checkpoint
+
+TINY = ["data=synthetic", "trainer.max_epochs=2", "~callbacks.progress_bar", *TINY_MODEL]
+
+
+def run_train(*overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("LOCAL_RANK", None)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def read_events(run_dir: Path) -> tuple[dict[str, list[float]], EventAccumulator]:
+    """(scalar values by tag, the accumulator) of a run dir's TensorBoard events."""
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}, acc
+
+
+@pytest.mark.slow
+def test_ddp_on_two_cpu_processes(tmp_path):
+    run_dir = tmp_path / "ddp"
+    result = run_train(
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        *TINY,
+        f"hydra.run.dir={run_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["world_size"] == 2
+    assert metrics["effective_batch_size"] == 2 * 64
+    # 512 training images over 2 processes at 64 per batch: 4 steps an epoch.
+    assert metrics["global_steps"] == 2 * 4 and metrics["epochs"] == 2
+
+    # Rank 0 alone writes the events: one process id in the file names, and one
+    # attention panel per validation epoch (not one per process).
+    events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert len({name.name.rsplit(".", 2)[1] for name in events}) == 1, events
+    series, acc = read_events(run_dir)
+    assert len(acc.Images("attention/layer_0")) == 2
+    # val/acc_best is the best of the all-reduced val/acc.
+    assert metrics["val/acc_best"] == pytest.approx(max(series["val/acc"]), abs=1e-7)
+
+    best = Path(metrics["best_ckpt"])
+    ckpt = read_checkpoint(best)
+    assert ckpt["val_acc_best"] == pytest.approx(metrics["val/acc_best"], abs=1e-7)
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+
+    # The all-reduced test metrics equal one process testing the whole test set.
+    cfg = compose_config("eval", [f"ckpt_path={best}", "trainer=cpu"], tmp_path / "eval")
+    single = evaluate(cfg)
+    assert single["test/acc"] == pytest.approx(metrics["test/acc"], abs=1e-7)
+    assert single["test/loss"] == pytest.approx(metrics["test/loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_joblib_launcher_writes_one_run_dir_per_job(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    sweep_dir = tmp_path / "sweep"
+    result = run_train(
+        "-m",
+        "hydra/launcher=joblib",
+        "model.num_heads=2,4",
+        *[o for o in TINY if not o.startswith("model.num_heads")],
+        "trainer=cpu",
+        "trainer.max_epochs=1",
+        f"hydra.sweep.dir={sweep_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "Joblib" in result.stdout + result.stderr
+    jobs = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
+    assert [p.name for p in jobs] == ["0", "1"]
+    heads = []
+    for job in jobs:
+        metrics = json.loads((job / "metrics.json").read_text())
+        heads.append(metrics["model"]["num_heads"])
+        overrides = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())
+        assert f"model.num_heads={metrics['model']['num_heads']}" in overrides
+        assert next((job / "checkpoints").glob("best-*.ckpt"))
+    assert sorted(heads) == [2, 4]
+
+
+def test_ddp_inside_a_local_multirun_is_refused(tmp_path):
+    result = run_train(
+        "-m",
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        *TINY,
+        f"hydra.sweep.dir={tmp_path}",
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "multirun" in errors[0] and "hydra/launcher=slurm" in errors[0]
+    assert not list(tmp_path.glob("*/checkpoints"))
+
+
+def test_slurm_launcher_preset_composes():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(
+            config_name="train",
+            overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
+            return_hydra_config=True,
+        )
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert launcher.partition == "gpu" and launcher.tasks_per_node == 1
+    assert launcher.gpus_per_node == 1
