@@ -83,6 +83,28 @@ def resolve_ckpt_path(cfg: DictConfig) -> Path:
     return resolve_latest(cfg.ckpt_path, cfg.paths.log_dir, "best-*.ckpt")
 
 
+def checkpoint_datamodule(
+    cfg: DictConfig, ckpt_path: str | Path, run_info: dict[str, Any]
+) -> L.LightningDataModule:
+    """The datamodule a checkpoint was trained on, or ``cfg.data`` when that is given.
+
+    The stored ``data_dir`` is replaced by this run's ``paths.data_dir``: the training
+    machine's folder may not exist here.
+
+    Raises:
+        CheckpointError: the checkpoint stores no data config and ``cfg.data`` is unset.
+    """
+    if cfg.get("data") is not None:
+        data_cfg = cfg.data
+    elif "data" in run_info:
+        data_cfg = OmegaConf.create(run_info["data"])
+        if "data_dir" in data_cfg:
+            data_cfg.data_dir = cfg.paths.data_dir
+    else:
+        raise CheckpointError(f"{ckpt_path} stores no data config; pass data=mnist (or another)")
+    return hydra.utils.instantiate(data_cfg)
+
+
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Test the checkpoint at ``cfg.ckpt_path`` and write the evaluation into the run dir.
 
@@ -113,16 +135,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     L.seed_everything(cfg.seed, workers=True)
     out = Path(cfg.paths.output_dir)
 
-    if cfg.get("data") is not None:
-        data_cfg = cfg.data
-    elif "data" in run_info:
-        data_cfg = OmegaConf.create(run_info["data"])
-        if "data_dir" in data_cfg:
-            # The training machine's path may not exist here: use this run's data folder.
-            data_cfg.data_dir = cfg.paths.data_dir
-    else:
-        raise CheckpointError(f"{ckpt_path} stores no data config; pass data=mnist (or another)")
-    datamodule: L.LightningDataModule = hydra.utils.instantiate(data_cfg)
+    datamodule = checkpoint_datamodule(cfg, ckpt_path, run_info)
 
     module = ViTClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True)
     # The training precision, unless `precision=` says otherwise: bf16 and fp32 logits can

@@ -1,0 +1,54 @@
+"""scripts/export.py: ONNX and TorchScript models that give PyTorch's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import TINY_MODEL, compose_config
+from tests.test_cli import run
+from vit_mnist.errors import ConfigError
+from vit_mnist.export import export, run_exported
+from vit_mnist.train import train
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("export_train")
+    overrides = ["data=synthetic", "trainer=cpu", "trainer.max_epochs=1", *TINY_MODEL]
+    return train(compose_config("train", overrides, out))["best_ckpt"]
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "torchscript"])
+def test_export_gives_pytorch_logits_for_any_batch(checkpoint, tmp_path, fmt):
+    if fmt == "onnx":
+        pytest.importorskip("onnxruntime")
+        pytest.importorskip("onnxscript")
+    cfg = compose_config(
+        "export", [f"ckpt_path={checkpoint}", f"format={fmt}", "check_images=100"], tmp_path
+    )
+    result = export(cfg)
+    assert result["num_images"] == 100
+    assert result["max_abs_diff"] < 1e-4
+    assert result["classes_agree"] == 100
+    exported = next(tmp_path.glob(f"*.{'onnx' if fmt == 'onnx' else 'pt'}"))
+    assert str(exported) == result["path"]
+    assert not list(tmp_path.glob(".*.tmp*"))  # the temporary file was renamed
+    # The batch axis is dynamic: 1 image and 7 images through the same file.
+    for n in (1, 7):
+        logits = run_exported(fmt, exported, torch.rand(n, 1, 28, 28))
+        assert logits.shape == (n, 10) and torch.isfinite(logits).all()
+
+
+def test_unknown_format_is_named(checkpoint, tmp_path):
+    cfg = compose_config("export", [f"ckpt_path={checkpoint}", "format=tflite"], tmp_path)
+    with pytest.raises(ConfigError, match="format='tflite'.*onnx"):
+        export(cfg)
+    assert not list(tmp_path.glob("*.tflite"))
+
+
+def test_export_cli_without_checkpoint_is_one_line(tmp_path):
+    result = run("scripts/export.py", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ckpt_path is required")
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,232 @@
+"""Export a trained checkpoint to ONNX or TorchScript, and check it against PyTorch.
+
+``python scripts/export.py ckpt_path=PATH format=onnx`` (or ``vit-mnist-export``) writes
+a model that takes ``(batch, 1, 28, 28)`` float32 pixel values in [0, 1] (white digit on
+black, as torchvision's ``ToTensor`` gives for MNIST) and returns ``(batch, num_classes)``
+float32 logits. The normalisation the model was trained with is part of the exported
+graph, so a consumer needs no constants from this project. The batch axis is dynamic.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from vit_mnist.errors import ConfigError
+from vit_mnist.evaluate import checkpoint_datamodule, read_checkpoint, resolve_ckpt_path
+from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
+from vit_mnist.utils import exit_on_user_error
+
+log = logging.getLogger(__name__)
+
+FORMATS = {"onnx": ".onnx", "torchscript": ".pt"}
+
+
+class PixelsToLogits(nn.Module):
+    """``(B, 1, H, W)`` float pixels in [0, 1] -> normalise -> ViT -> ``(B, classes)`` logits.
+
+    Args:
+        net: the trained :class:`~vit_mnist.models.vit.VisionTransformer`.
+        mean, std: the training data's normalisation (MNIST: 0.1307, 0.3081); 0 and 1 for
+            data that was not normalised (the synthetic set).
+    """
+
+    def __init__(self, net: nn.Module, *, mean: float, std: float) -> None:
+        super().__init__()
+        self.net = net
+        self.mean = mean
+        self.std = std
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.net((pixels - self.mean) / self.std)
+
+
+@dataclass
+class ExportCheck:
+    """How far the exported model is from PyTorch on the same images.
+
+    Attributes:
+        num_images: images compared.
+        max_abs_diff: largest absolute difference of any logit (float32 units).
+        classes_agree: images whose top class is the same in both, of ``num_images``.
+        accuracy: the exported model's accuracy on their labels, a fraction in [0, 1].
+    """
+
+    num_images: int
+    max_abs_diff: float
+    classes_agree: int
+    accuracy: float
+
+
+def _atomic(path: Path, write) -> Path:
+    """Run ``write(tmp)`` then rename ``tmp`` to ``path``: no half-written model on a crash."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def export_model(model: PixelsToLogits, fmt: str, path: Path, *, opset: int = 18) -> Path:
+    """Write ``model`` (in eval mode, on the CPU) to ``path`` as ONNX or TorchScript.
+
+    Args:
+        model: the wrapped network.
+        fmt: ``"onnx"`` (input ``images``, output ``logits``, dynamic axis ``batch``) or
+            ``"torchscript"`` (a traced module: ``torch.jit.load(path)(images)``).
+        path: the file to write; replaced atomically.
+        opset: the ONNX opset version.
+
+    Raises:
+        ConfigError: an unknown ``fmt``.
+        ImportError: ``fmt="onnx"`` without the ``onnx``/``onnxscript`` packages
+            (``pip install -e '.[export]'``).
+    """
+    model = model.eval().cpu()
+    example = torch.rand(2, 1, 28, 28)
+    if fmt == "onnx":
+        # The exporter's passes log every step at INFO; keep the console to our lines.
+        for name in ("onnx_ir", "onnxscript", "torch.onnx"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        batch = torch.export.Dim("batch", min=1, max=65536)
+
+        def write(tmp: Path) -> None:
+            program = torch.onnx.export(
+                model,
+                (example,),
+                input_names=["images"],
+                output_names=["logits"],
+                dynamic_shapes=({0: batch},),
+                opset_version=opset,
+                dynamo=True,
+                verbose=False,
+            )
+            program.save(str(tmp))
+
+    elif fmt == "torchscript":
+
+        def write(tmp: Path) -> None:
+            # The tracer warns about the image-size check and the q/k/v split; both are
+            # fixed by the architecture, not by the batch, so the trace is exact.
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                traced = torch.jit.trace(model, example)
+            traced.save(str(tmp))
+
+    else:
+        raise ConfigError(f"format={fmt!r} is unknown; use one of {list(FORMATS)}")
+    return _atomic(path, write)
+
+
+def run_exported(fmt: str, path: Path, pixels: torch.Tensor, batch_size: int = 384) -> torch.Tensor:
+    """Logits of the exported file at ``path`` for ``pixels`` ``(N, 1, 28, 28)`` float32.
+
+    ONNX files run in ONNX Runtime on its CPU provider, TorchScript files in ``torch.jit``.
+    Fed in batches of ``batch_size`` and a smaller last one, which exercises the dynamic
+    batch axis.
+    """
+    outputs = []
+    if fmt == "onnx":
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        for chunk in pixels.split(batch_size):
+            (logits,) = session.run(["logits"], {"images": chunk.numpy()})
+            outputs.append(torch.from_numpy(logits))
+    else:
+        loaded = torch.jit.load(str(path), map_location="cpu")
+        with torch.no_grad():
+            outputs = [loaded(chunk) for chunk in pixels.split(batch_size)]
+    return torch.cat(outputs)
+
+
+def check_export(
+    model: PixelsToLogits, fmt: str, path: Path, pixels: torch.Tensor, labels: torch.Tensor
+) -> ExportCheck:
+    """Compare the exported model's logits with PyTorch's on the same pixels."""
+    with torch.no_grad():
+        expected = model.eval()(pixels)
+    got = run_exported(fmt, path, pixels)
+    return ExportCheck(
+        num_images=len(pixels),
+        max_abs_diff=(got - expected).abs().max().item(),
+        classes_agree=int((got.argmax(1) == expected.argmax(1)).sum()),
+        accuracy=(got.argmax(1) == labels).float().mean().item(),
+    )
+
+
+def sample_test_images(
+    cfg: DictConfig, ckpt_path: Path, run_info: dict[str, Any], n: int, mean: float, std: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``n`` test images of the checkpoint's dataset and their labels.
+
+    Returns:
+        Pixels ``(n, 1, 28, 28)`` float32 in [0, 1] and labels ``(n,)`` int64.
+    """
+    datamodule = checkpoint_datamodule(cfg, ckpt_path, run_info)
+    datamodule.prepare_data()
+    datamodule.setup("test")
+    images, labels = datamodule.data_test.tensors
+    # The datamodule serves normalised images: undo that to get the pixels a user has.
+    return images[:n] * std + mean, labels[:n]
+
+
+def export(cfg: DictConfig) -> dict[str, Any]:
+    """Export ``cfg.ckpt_path`` as ``cfg.format``, then check it on real test images.
+
+    Returns:
+        ``path`` of the exported file and the :class:`ExportCheck` fields.
+
+    Raises:
+        ConfigError: unknown ``format`` or a non-positive ``check_images``.
+        CheckpointError: see :func:`vit_mnist.evaluate.read_checkpoint`.
+    """
+    fmt = str(cfg.format)
+    if fmt not in FORMATS:
+        raise ConfigError(f"format={fmt!r} is unknown; use one of {list(FORMATS)}")
+    n = cfg.check_images
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ConfigError(f"check_images={n!r} must be a positive integer")
+    ckpt_path = resolve_ckpt_path(cfg)
+    run_info = read_checkpoint(ckpt_path).get(RUN_INFO_KEY, {})
+    module = ViTClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True)
+    data = run_info.get("data", {})
+    # Synthetic data is not normalised: identity.
+    mean, std = float(data.get("mean", 0.0)), float(data.get("std", 1.0))
+    model = PixelsToLogits(module.net.float(), mean=mean, std=std).eval()
+
+    path = (
+        Path(cfg.output)
+        if cfg.get("output")
+        else Path(cfg.paths.output_dir) / (Path(ckpt_path).stem + FORMATS[fmt])
+    )
+    export_model(model, fmt, path, opset=cfg.opset)
+    pixels, labels = sample_test_images(cfg, ckpt_path, run_info, n, mean, std)
+    check = check_export(model, fmt, path, pixels, labels)
+    runtime = "ONNX Runtime" if fmt == "onnx" else "TorchScript"
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)")
+    print(
+        f"{runtime} vs PyTorch on {check.num_images} test images: largest |logit difference| "
+        f"= {check.max_abs_diff:.3g}; same predicted class on {check.classes_agree}/"
+        f"{check.num_images}; accuracy {100 * check.accuracy:.2f}%"
+    )
+    return {"path": str(path), **check.__dict__}
+
+
+@exit_on_user_error
+def main(cfg: DictConfig) -> dict[str, Any]:
+    """The body of ``python scripts/export.py ckpt_path=PATH format=onnx|torchscript``."""
+    if OmegaConf.is_missing(cfg, "ckpt_path"):
+        raise ConfigError("ckpt_path is required: scripts/export.py ckpt_path=PATH format=onnx")
+    return export(cfg)
