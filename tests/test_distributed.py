@@ -79,12 +79,20 @@ def test_ddp_on_two_cpu_processes(tmp_path):
 
 
 @pytest.mark.slow
-def test_joblib_launcher_writes_one_run_dir_per_job(tmp_path):
-    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+@pytest.mark.parametrize(
+    ("launcher", "plugin"),
+    [
+        ("joblib", "hydra_joblib_launcher"),
+        # The submitit path that SLURM jobs take (pickled job, own process), run locally.
+        ("submitit_local", "hydra_submitit_launcher"),
+    ],
+)
+def test_launcher_writes_one_run_dir_per_job(tmp_path, launcher, plugin):
+    pytest.importorskip(f"hydra_plugins.{plugin}")
     sweep_dir = tmp_path / "sweep"
     result = run_train(
         "-m",
-        "hydra/launcher=joblib",
+        f"hydra/launcher={launcher}",
         "model.num_heads=2,4",
         *[o for o in TINY if not o.startswith("model.num_heads")],
         "trainer=cpu",
@@ -92,8 +100,8 @@ def test_joblib_launcher_writes_one_run_dir_per_job(tmp_path):
         f"hydra.sweep.dir={sweep_dir}",
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "Joblib" in result.stdout + result.stderr
-    jobs = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
+    assert ("Joblib" if launcher == "joblib" else "Submitit") in result.stdout + result.stderr
+    jobs = sorted(p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
     assert [p.name for p in jobs] == ["0", "1"]
     heads = []
     for job in jobs:
