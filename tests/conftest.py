@@ -10,6 +10,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
+import vit_mnist  # noqa: F401  (registers the ${vit_mnist.cwd:} resolver of configs/paths)
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = str(ROOT / "configs")
 # Real MNIST lives in the repository's data/ folder, shared with `make train`, so the

@@ -152,3 +152,24 @@ def test_every_package_is_installed():
         for p in (ROOT / "vit_mnist").rglob("__init__.py")
     } | {"vit_mnist.configs"}
     assert listed == found
+
+
+def test_multirun_without_a_sweep_dir_writes_under_outputs(tmp_path):
+    """`python train.py -m ...` as typed: the sweep dir comes from configs/hydra."""
+    result = run(
+        "train.py",
+        "-m",
+        "model.num_heads=2,4",
+        "data=synthetic",
+        "trainer=cpu",
+        "trainer.max_epochs=1",
+        "~callbacks.progress_bar",
+        *[o for o in TINY_MODEL if not o.startswith("model.num_heads")],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (sweep,) = (tmp_path / "outputs" / "train" / "multiruns").iterdir()
+    assert sorted(
+        json.loads((sweep / j / "metrics.json").read_text())["model"]["num_heads"]
+        for j in ("0", "1")
+    ) == [2, 4]
