@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 
 import torch
+import torchvision.datasets
 from torch.utils.data import TensorDataset
-from torchvision.datasets import MNIST
 from torchvision.transforms.v2 import functional as TF
 
 from vit_mnist.data.base import InMemoryDataModule
-from vit_mnist.data.sources import ensure_mnist, read_source
+from vit_mnist.data.sources import ensure_fashion_mnist, ensure_mnist, read_source
 from vit_mnist.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,10 @@ class MNISTDataModule(InMemoryDataModule):
     """
 
     name = "mnist"
+    # torchvision's dataset class and folder (<data_dir>/<folder>/raw), and the function
+    # that puts verified files there.
+    folder = "MNIST"
+    ensure_files = staticmethod(ensure_mnist)
     num_train_official = 60_000
 
     def __init__(
@@ -77,7 +81,7 @@ class MNISTDataModule(InMemoryDataModule):
         # Lightning calls this before every fit/test/predict; the files were verified
         # (MD5 of 55 MB) the first time in this process.
         if self.source is None:
-            self.source = ensure_mnist(self.data_dir, download=self.download)
+            self.source = self.ensure_files(self.data_dir, download=self.download)
 
     def _normalise(self, images: torch.Tensor) -> torch.Tensor:
         x = TF.to_dtype(images.unsqueeze(1), torch.float32, scale=True)  # uint8 -> [0, 1]
@@ -87,18 +91,53 @@ class MNISTDataModule(InMemoryDataModule):
         if self.data_train is not None:
             return
         if self.source is None:  # prepare_data ran in another process
-            self.source = read_source(self.data_dir)
-        train = MNIST(self.data_dir, train=True, download=False)
-        test = MNIST(self.data_dir, train=False, download=False)
+            self.source = read_source(self.data_dir, self.folder)
+        dataset = getattr(torchvision.datasets, self.folder)
+        train = dataset(self.data_dir, train=True, download=False)
+        test = dataset(self.data_dir, train=False, download=False)
         x, y = self._normalise(train.data), train.targets
         train_idx, val_idx = self.split(len(y), self.val_size, self.split_seed)
         self.data_train = TensorDataset(x[train_idx], y[train_idx])
         self.data_val = TensorDataset(x[val_idx], y[val_idx])
         self.data_test = TensorDataset(self._normalise(test.data), test.targets)
         log.info(
-            "MNIST: %d train / %d val / %d test images from %s",
+            "%s: %d train / %d val / %d test images from %s",
+            self.folder,
             len(train_idx),
             len(val_idx),
             len(test.targets),
             self.source,
         )
+
+
+class FashionMNISTDataModule(MNISTDataModule):
+    """The official Fashion-MNIST (Xiao et al. 2017): same shapes and splits as MNIST.
+
+    Ten classes of 28 x 28 grey clothing images, 60 000 for training (a seeded 5 000 of
+    them held out for validation) and 10 000 for test. Files come from torchvision's
+    download, else from the Debian package ``dataset-fashion-mnist``
+    (:func:`vit_mnist.data.sources.ensure_fashion_mnist`); the folder is
+    ``<data_dir>/FashionMNIST/raw``.
+
+    Args: as :class:`MNISTDataModule`; ``mean`` and ``std`` default to the Fashion-MNIST
+    training set's (0.2860, 0.3530).
+    """
+
+    name = "fashion_mnist"
+    folder = "FashionMNIST"
+    ensure_files = staticmethod(ensure_fashion_mnist)
+    class_names = (
+        "T-shirt/top",
+        "Trouser",
+        "Pullover",
+        "Dress",
+        "Coat",
+        "Sandal",
+        "Shirt",
+        "Sneaker",
+        "Bag",
+        "Ankle boot",
+    )
+
+    def __init__(self, *, mean: float = 0.2860, std: float = 0.3530, **kwargs) -> None:
+        super().__init__(mean=mean, std=std, **kwargs)

