@@ -23,6 +23,8 @@ class BatchRandomAffine(nn.Module):
         translate: shift drawn uniformly from [-translate, translate] times the image
             side, independently along x and y (0.1 = up to 2.8 pixels on MNIST).
         scale: zoom factor drawn uniformly from [scale[0], scale[1]].
+        hflip: mirror each image left-right with probability 1/2 (for Fashion-MNIST;
+            never for digits).
         fill: value of the pixels brought in from outside the image.
 
     Shapes: (batch, channels, H, W) float -> same shape and dtype.
@@ -38,9 +40,11 @@ class BatchRandomAffine(nn.Module):
         degrees: float = 0.0,
         translate: float = 0.0,
         scale: tuple[float, float] | list[float] = (1.0, 1.0),
+        hflip: bool = False,
         fill: float = 0.0,
     ) -> None:
         super().__init__()
+        self.hflip = bool(hflip)
         if degrees < 0 or translate < 0:
             raise ConfigError(
                 f"augment.degrees={degrees} and augment.translate={translate} must be >= 0"
@@ -63,8 +67,12 @@ class BatchRandomAffine(nn.Module):
         tx = uniform(-self.translate, self.translate) * 2
         ty = uniform(-self.translate, self.translate) * 2
         cos, sin = torch.cos(angle) * inv_scale, torch.sin(angle) * inv_scale
+        # A mirror image reads input x from -x: negate the x column of the map.
+        flip = torch.where(uniform(0, 1) < 0.5, -1.0, 1.0) if self.hflip else torch.ones(b)
+        flip = flip.to(x.device)
         theta = torch.stack(
-            [torch.stack([cos, -sin, tx], dim=1), torch.stack([sin, cos, ty], dim=1)], dim=1
+            [torch.stack([cos * flip, -sin, tx], dim=1), torch.stack([sin * flip, cos, ty], dim=1)],
+            dim=1,
         ).to(x.dtype)  # (B, 2, 3)
         grid = F.affine_grid(theta, list(x.shape), align_corners=False)
         # grid_sample pads with zeros: shift the background to 0 and back.
@@ -74,4 +82,89 @@ class BatchRandomAffine(nn.Module):
         return out + self.fill
 
     def extra_repr(self) -> str:
-        return f"degrees={self.degrees}, translate={self.translate}, scale={self.scale}"
+        return (
+            f"degrees={self.degrees}, translate={self.translate}, scale={self.scale}, "
+            f"hflip={self.hflip}"
+        )
+
+
+class BatchRandomErasing(nn.Module):
+    """Random erasing (Zhong et al. 2020, "Random Erasing Data Augmentation", Alg. 1),
+    one rectangle per image, drawn independently for each image of the batch.
+
+    With probability ``p`` an image gets a rectangle of area ``s * H * W`` (``s`` uniform in
+    ``area``) and aspect ratio ``r`` (log-uniform in ``ratio``), placed uniformly so that it
+    fits, filled with ``fill``. torchvision's ``RandomErasing`` erases the same rectangle
+    in every image of a batch; this draws one per image with tensor ops.
+
+    Shapes: (batch, channels, H, W) float -> same shape and dtype.
+
+    Raises:
+        ConfigError: ``p`` outside [0, 1] or an empty ``area`` range.
+    """
+
+    def __init__(
+        self,
+        p: float,
+        *,
+        area: tuple[float, float] = (0.02, 0.2),
+        ratio: tuple[float, float] = (0.3, 3.3),
+        fill: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if not 0 <= p <= 1:
+            raise ConfigError(f"augment.erasing={p} is a probability: choose it in [0, 1]")
+        if not 0 < area[0] <= area[1] < 1:
+            raise ConfigError(f"random erasing area={list(area)} must satisfy 0 < min <= max < 1")
+        self.p, self.area, self.ratio, self.fill = p, area, ratio, fill
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.p == 0:
+            return x
+        b, _, h, w = x.shape
+
+        def uniform(lo: float, hi: float) -> torch.Tensor:
+            return torch.empty(b, device=x.device).uniform_(lo, hi)
+
+        area = uniform(*self.area) * h * w
+        ratio = torch.exp(uniform(math.log(self.ratio[0]), math.log(self.ratio[1])))
+        eh = torch.sqrt(area * ratio).round().clamp(1, h)
+        ew = torch.sqrt(area / ratio).round().clamp(1, w)
+        top = (uniform(0, 1) * (h - eh + 1)).floor()
+        left = (uniform(0, 1) * (w - ew + 1)).floor()
+        rows = torch.arange(h, device=x.device).view(1, h, 1)
+        cols = torch.arange(w, device=x.device).view(1, 1, w)
+        inside = (
+            (rows >= top.view(b, 1, 1))
+            & (rows < (top + eh).view(b, 1, 1))
+            & (cols >= left.view(b, 1, 1))
+            & (cols < (left + ew).view(b, 1, 1))
+        )  # (B, H, W)
+        erase = inside & (uniform(0, 1) < self.p).view(b, 1, 1)
+        return x.masked_fill(erase.unsqueeze(1), self.fill)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, area={self.area}, ratio={self.ratio}"
+
+
+class BatchAugment(nn.Sequential):
+    """The training augmentation of ``data.augment``: random affine (and mirror), then
+    random erasing when ``erasing > 0``.
+
+    Args:
+        erasing: probability of :class:`BatchRandomErasing` per image (0 = off).
+        fill: the normalised value of a black pixel.
+        **affine: ``degrees``, ``translate``, ``scale``, ``hflip`` of
+            :class:`BatchRandomAffine`.
+
+    Raises:
+        ConfigError: from either part.
+    """
+
+    def __init__(self, *, erasing: float = 0.0, fill: float = 0.0, **affine) -> None:
+        parts: list[nn.Module] = [BatchRandomAffine(**affine, fill=fill)]
+        if erasing:
+            parts.append(BatchRandomErasing(erasing, fill=fill))
+        else:
+            BatchRandomErasing(erasing)  # checks the value
+        super().__init__(*parts)

@@ -6,7 +6,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from vit_mnist.data.augment import BatchRandomAffine
+from vit_mnist.data.augment import BatchAugment
 
 
 class InMemoryDataModule(L.LightningDataModule):
@@ -22,9 +22,10 @@ class InMemoryDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes; 0 is right for in-memory tensors,
             where a worker only adds inter-process copies.
         pin_memory: pin host memory (helps host-to-GPU copies).
-        augment: arguments of :class:`BatchRandomAffine` (``degrees``, ``translate``,
-            ``scale``) applied to training batches after they reach the device; None
-            for no augmentation. Validation and test batches are never augmented.
+        augment: arguments of :class:`~vit_mnist.data.augment.BatchAugment` (``degrees``,
+            ``translate``, ``scale``, ``hflip``, ``erasing``) applied to training batches
+            after they reach the device; None for no augmentation. Validation and test
+            batches are never augmented.
     """
 
     name = "in-memory"
@@ -44,7 +45,7 @@ class InMemoryDataModule(L.LightningDataModule):
         augment: dict | None = None,
     ):
         super().__init__()
-        self.augment = BatchRandomAffine(**augment, fill=self.background) if augment else None
+        self.augment = BatchAugment(**augment, fill=self.background) if augment else None
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange, repeat
 from torch import nn
+from torchvision.ops import StochasticDepth
 
 from vit_mnist.errors import ConfigError
 from vit_mnist.models.attention import MultiHeadSelfAttention, check_attention_args
@@ -43,6 +44,7 @@ def check_vit_args(
     attention_impl: str = "explicit",
     causal: bool = False,
     qkv_bias: bool = True,
+    drop_path_rate: float = 0.0,
 ) -> None:
     """Check :class:`VisionTransformer` arguments without building anything.
 
@@ -70,6 +72,7 @@ def check_vit_args(
         raise ConfigError(f"mlp_ratio={mlp_ratio!r} must be a positive number")
     _check_rate("dropout", dropout)
     _check_rate("attn_dropout", attn_dropout)
+    _check_rate("drop_path_rate", drop_path_rate)
     check_attention_args(embed_dim=embed_dim, num_heads=num_heads, impl=attention_impl)
     if round(embed_dim * mlp_ratio) <= 0:
         raise ConfigError(f"mlp_ratio={mlp_ratio} gives an MLP of width 0 at embed_dim={embed_dim}")
@@ -138,8 +141,12 @@ class EncoderBlock(nn.Module):
         attention_impl: str = "explicit",
         causal: bool = False,
         qkv_bias: bool = True,
+        drop_path: float = 0.0,
     ) -> None:
         super().__init__()
+        # Stochastic depth (Huang et al. 2016): in training, each image skips the residual
+        # branch with probability drop_path (the survivors are scaled by 1 / (1 - p)).
+        self.drop_path = StochasticDepth(drop_path, mode="row")
         self.norm1 = nn.LayerNorm(embed_dim)
         self.attn = MultiHeadSelfAttention(
             embed_dim=embed_dim,
@@ -160,10 +167,10 @@ class EncoderBlock(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if need_weights:
             attn_out, weights = self.attn(self.norm1(x), need_weights=True)
-            x = x + attn_out
-            return x + self.mlp(self.norm2(x)), weights
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+            x = x + self.drop_path(attn_out)
+            return x + self.drop_path(self.mlp(self.norm2(x))), weights
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
 class VisionTransformer(nn.Module):
@@ -187,6 +194,9 @@ class VisionTransformer(nn.Module):
         causal: causal mask in every block (tokens attend to earlier tokens only; the
             CLS token is token 0, so it then sees only itself).
         qkv_bias: bias on the Q, K, V projections.
+        drop_path_rate: stochastic depth of the last block; block ``i`` drops its residual
+            branches with probability ``drop_path_rate * i / (depth - 1)`` (the linear rule
+            of Huang et al. 2016, as in DeiT and timm). 0 turns it off.
 
     Shapes: images (batch, in_chans, img_size, img_size) float -> logits (batch, num_classes).
     Tokens: 1 CLS token followed by ``(img_size // patch_size) ** 2`` patch tokens.
@@ -211,6 +221,7 @@ class VisionTransformer(nn.Module):
         attention_impl: str = "explicit",
         causal: bool = False,
         qkv_bias: bool = True,
+        drop_path_rate: float = 0.0,
     ) -> None:
         super().__init__()
         check_vit_args(
@@ -227,6 +238,7 @@ class VisionTransformer(nn.Module):
             attention_impl=attention_impl,
             causal=causal,
             qkv_bias=qkv_bias,
+            drop_path_rate=drop_path_rate,
         )
         self.num_heads = num_heads
         self.depth = depth
@@ -247,8 +259,9 @@ class VisionTransformer(nn.Module):
                 attention_impl=attention_impl,
                 causal=causal,
                 qkv_bias=qkv_bias,
+                drop_path=drop_path_rate * i / max(depth - 1, 1),
             )
-            for _ in range(depth)
+            for i in range(depth)
         )
         self.norm = nn.LayerNorm(embed_dim)
         self.head = nn.Linear(embed_dim, num_classes)
