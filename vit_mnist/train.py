@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vit_mnist.callbacks.throughput import TrainThroughput
 from vit_mnist.checkpointing import AtomicCheckpointIO, SaveOnInterrupt, resolve_latest
-from vit_mnist.data.augment import BatchRandomAffine
+from vit_mnist.data.augment import BatchAugment
 from vit_mnist.data.sources import MNIST_MD5, raw_folder
 from vit_mnist.errors import ConfigError
 from vit_mnist.evaluate import read_checkpoint
@@ -89,8 +89,9 @@ def _check_launch(trainer_cfg: DictConfig) -> None:
     )
 
 
-def _check_data_dir(data_dir: str) -> None:
-    if all((raw_folder(data_dir) / name).is_file() for name in MNIST_MD5):
+def _check_data_dir(data_dir: str, folder: str = "MNIST") -> None:
+    # MNIST and Fashion-MNIST use the same four file names, in <data_dir>/<folder>/raw.
+    if all((raw_folder(data_dir, folder) / name).is_file() for name in MNIST_MD5):
         return  # complete already: read-only is fine
     existing = Path(data_dir).resolve()
     while not existing.exists():
@@ -98,7 +99,7 @@ def _check_data_dir(data_dir: str) -> None:
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(
             f"data.data_dir={data_dir} cannot be written ({existing} is not a writable "
-            "folder) and holds no MNIST yet; choose a writable folder with data.data_dir=PATH"
+            f"folder) and holds no {folder} yet; choose a writable folder with data.data_dir=PATH"
         )
 
 
@@ -117,9 +118,16 @@ def check_config(cfg: DictConfig) -> None:
     if data.get("num_workers", 0) < 0:
         raise ConfigError(f"data.num_workers={data.num_workers} must be >= 0")
     if data.get("augment"):
-        BatchRandomAffine(**_resolved(data.augment))  # raises ConfigError on bad ranges
+        BatchAugment(**_resolved(data.augment))  # raises ConfigError on bad ranges
     if data.get("data_dir") is not None:
-        _check_data_dir(str(data.data_dir))
+        try:
+            datamodule_cls = hydra.utils.get_class(data._target_)
+        except Exception as e:  # noqa: BLE001 - Hydra raises several types for a bad path
+            raise ConfigError(
+                f"data._target_={data._target_} cannot be imported ({e}); "
+                "use data=mnist, data=fashion_mnist or data=synthetic"
+            ) from None
+        _check_data_dir(str(data.data_dir), getattr(datamodule_cls, "folder", "MNIST"))
     check_module_args(**_resolved(cfg.module))
     _positive_int("trainer.max_epochs", cfg.trainer.get("max_epochs"))
     _check_device(cfg.trainer)
@@ -127,6 +135,13 @@ def check_config(cfg: DictConfig) -> None:
     every = (cfg.get("callbacks") or {}).get("last_checkpoint", {}).get("every_n_train_steps")
     if every is not None:
         _positive_int("callbacks.last_checkpoint.every_n_train_steps", every)
+
+
+def _experiment_name() -> str | None:
+    """The ``experiment=NAME`` of this run (None without one, or outside ``@hydra.main``)."""
+    if not HydraConfig.initialized():
+        return None
+    return HydraConfig.get().runtime.choices.get("experiment")
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -216,6 +231,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "device": describe_device(trainer.strategy.root_device),
         "precision": str(trainer.precision),
         "dataset": getattr(datamodule, "name", type(datamodule).__name__),
+        "experiment": _experiment_name(),
         "data_source": getattr(datamodule, "source", None),
         "best_ckpt": best_ckpt or None,
         "seed": cfg.seed,

@@ -1,0 +1,242 @@
+"""Fashion-MNIST, the recipe parts (mirror, random erasing, stochastic depth), the
+experiment configs and scripts/results.py."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from hydra.utils import instantiate
+
+from tests.conftest import DATA_DIR, compose_config
+from vit_mnist.data import FashionMNISTDataModule, sources
+from vit_mnist.data.augment import BatchAugment, BatchRandomAffine, BatchRandomErasing
+from vit_mnist.errors import ConfigError, DataError
+from vit_mnist.models import VisionTransformer
+from vit_mnist.results import find_runs, group_rows, heads_plot, markdown_table
+
+# ---------------------------------------------------------------- Fashion-MNIST sources
+
+
+def fake_debian_dir(tmp_path, corrupt: str | None = None):
+    """Four small gzipped IDX files and the MD5 sums of their uncompressed contents."""
+    src = tmp_path / "debian"
+    src.mkdir()
+    md5 = {}
+    for i, name in enumerate(sources.FASHION_MNIST_MD5):
+        data = sources._idx_bytes(np.full((3, 28, 28) if "images" in name else (3,), i, np.uint8))
+        md5[name] = hashlib.md5(data).hexdigest()
+        (src / f"{name}.gz").write_bytes(gzip.compress(b"x" + data if name == corrupt else data))
+    return src, md5
+
+
+def test_fashion_files_come_from_the_debian_package(tmp_path, monkeypatch):
+    src, md5 = fake_debian_dir(tmp_path)
+    monkeypatch.setattr(sources, "FASHION_MNIST_MD5", md5)
+    monkeypatch.setattr(sources, "DEBIAN_FASHION_MNIST_DIR", src)
+    monkeypatch.setattr(sources, "_torchvision_download", lambda *a: 1 / 0)  # offline
+    root = tmp_path / "data"
+    source = sources._ensure(
+        root,
+        True,
+        folder="FashionMNIST",
+        md5=md5,
+        offline=lambda r: sources.copy_from_debian(r, src),
+        offline_name="test",
+        offline_source="Debian dataset-fashion-mnist (MD5-verified)",
+    )
+    assert source == "Debian dataset-fashion-mnist (MD5-verified)"
+    raw = sources.raw_folder(root, "FashionMNIST")
+    assert sorted(p.name for p in raw.iterdir() if p.name in md5) == sorted(md5)
+    assert sources.read_source(root, "FashionMNIST") == source
+
+
+def test_fashion_copy_refuses_files_that_are_not_the_official_ones(tmp_path, monkeypatch):
+    src, md5 = fake_debian_dir(tmp_path, corrupt="t10k-labels-idx1-ubyte")
+    monkeypatch.setattr(sources, "FASHION_MNIST_MD5", md5)
+    with pytest.raises(DataError, match="t10k-labels-idx1-ubyte.gz decompresses to MD5"):
+        sources.copy_from_debian(tmp_path / "data", src)
+    assert not (tmp_path / "data").exists()  # nothing written
+
+
+def test_missing_debian_package_says_how_to_install_it(tmp_path):
+    with pytest.raises(DataError, match="apt-get install dataset-fashion-mnist"):
+        sources.copy_from_debian(tmp_path / "data", tmp_path / "nowhere")
+
+
+@pytest.fixture(scope="module")
+def fashion_dir():
+    try:
+        sources.ensure_fashion_mnist(DATA_DIR)
+    except DataError as e:
+        pytest.skip(f"Fashion-MNIST unavailable here: {e}")
+    return DATA_DIR
+
+
+@pytest.mark.real_data
+def test_fashion_mnist_datamodule(fashion_dir):
+    dm = FashionMNISTDataModule(data_dir=str(fashion_dir))
+    dm.prepare_data()
+    dm.setup()
+    assert (len(dm.data_train), len(dm.data_val), len(dm.data_test)) == (55_000, 5_000, 10_000)
+    x, y = dm.data_test.tensors
+    assert x.shape == (10_000, 1, 28, 28) and torch.bincount(y).tolist() == [1000] * 10
+    # Normalised with the Fashion-MNIST statistics: about zero mean and unit std.
+    assert abs(dm.data_train.tensors[0].mean().item()) < 0.02
+    assert dm.class_names[0] == "T-shirt/top" and dm.class_names[9] == "Ankle boot"
+    assert "MD5" in dm.source or dm.source == "torchvision download"
+
+
+@pytest.mark.real_data
+@pytest.mark.slow
+def test_fashion_class_names_reach_the_tables_and_plots(fashion_dir, tmp_path):
+    from vit_mnist.evaluate import evaluate
+    from vit_mnist.train import train
+
+    overrides = ["data=fashion_mnist", "trainer=cpu", "trainer.max_epochs=1"]
+    overrides += ["trainer.limit_train_batches=3", "trainer.limit_val_batches=2"]
+    overrides += ["model.depth=1", "model.embed_dim=32", "model.num_heads=2"]
+    metrics = train(compose_config("train", overrides, tmp_path / "train"))
+    assert metrics["dataset"] == "fashion_mnist"
+    cfg = compose_config("eval", [f"ckpt_path={metrics['best_ckpt']}"], tmp_path / "eval")
+    evaluate(cfg)
+    per_class = (tmp_path / "eval" / "per_class.csv").read_text()
+    assert "Ankle boot" in per_class and "T-shirt/top" in per_class
+
+
+# ---------------------------------------------------------------- recipe parts
+
+
+def test_hflip_mirrors_about_half_the_images():
+    x = torch.randn(400, 1, 28, 28)
+    out = BatchRandomAffine(hflip=True)(x)
+    same = torch.isclose(out, x, atol=1e-5).flatten(1).all(1)
+    mirrored = torch.isclose(out, x.flip(-1), atol=1e-5).flatten(1).all(1)
+    assert bool((same ^ mirrored).all())  # each image is one or the other
+    assert 150 < int(mirrored.sum()) < 250
+
+
+def test_random_erasing_one_rectangle_per_image():
+    x = torch.randn(300, 1, 28, 28) + 10  # never equal to the fill
+    out = BatchRandomErasing(1.0, area=(0.02, 0.2), fill=-1.0)(x)
+    erased = out == -1.0
+    assert torch.equal(out[~erased], x[~erased])
+    counts = erased.flatten(1).sum(1).float()
+    assert bool((counts >= 1).all()) and counts.max() <= 0.2 * 784 * 1.3  # rounding slack
+    # Rectangles differ from image to image.
+    assert len({tuple(e.nonzero()[0].tolist()) for e in erased[:20]}) > 10
+    assert torch.equal(BatchRandomErasing(0.0)(x), x)
+
+
+@pytest.mark.parametrize("bad", [{"erasing": 1.5}, {"erasing": -0.1}])
+def test_bad_erasing_probability_is_named(bad):
+    with pytest.raises(ConfigError, match="augment.erasing"):
+        BatchAugment(**bad)
+
+
+def test_stochastic_depth_rates_and_modes():
+    model = VisionTransformer(depth=4, drop_path_rate=0.3, patch_size=7, embed_dim=32)
+    rates = [block.drop_path.p for block in model.blocks]
+    assert rates == pytest.approx([0.0, 0.1, 0.2, 0.3])
+    x = torch.randn(16, 1, 28, 28)
+    model.train()
+    assert not torch.equal(model(x), model(x))  # branches dropped at random
+    model.eval()
+    assert torch.equal(model(x), model(x))
+    with pytest.raises(ConfigError, match="drop_path_rate"):
+        VisionTransformer(drop_path_rate=1.0)
+
+
+# ---------------------------------------------------------------- experiments
+
+
+@pytest.mark.parametrize("name", ["mnist_best", "fashion_best"])
+def test_best_recipes_stay_under_two_million_parameters(tmp_path, name):
+    cfg = compose_config("train", [f"experiment={name}"], tmp_path)
+    model = VisionTransformer(**cfg.model)
+    assert sum(p.numel() for p in model.parameters()) <= 2_000_000
+    dm = instantiate(cfg.data)
+    expected = FashionMNISTDataModule if name == "fashion_best" else type(dm)
+    assert isinstance(dm, expected) and dm.augment is not None
+    # The checkpoint that is tested is chosen on the validation split.
+    assert cfg.callbacks.model_checkpoint.monitor == "val/acc"
+
+
+def test_heads_sweep_is_a_multirun_over_heads_and_seeds():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from tests.conftest import CONFIG_DIR
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", ["experiment=heads_sweep"], return_hydra_config=True)
+    assert cfg.hydra.mode == RunMode.MULTIRUN and cfg.model.embed_dim == 64
+    params = cfg.hydra.sweeper.params
+    assert params["model.num_heads"] == "1,2,4,8,16" and params.seed == "1,2,3"
+    assert all(cfg.model.embed_dim % h == 0 for h in (1, 2, 4, 8, 16))
+
+
+# ---------------------------------------------------------------- results
+
+
+def fake_run(path, *, heads, seed, acc, val=0.9, dataset="mnist"):
+    (path / ".hydra").mkdir(parents=True)
+    overrides = ["experiment=heads_sweep", f"model.num_heads={heads}", f"seed={seed}"]
+    (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    metrics = {
+        "test/acc": acc,
+        "val/acc_best": val,
+        "seed": seed,
+        "dataset": dataset,
+        "experiment": "heads_sweep",
+        "num_params": 205962,
+        "epochs": 20,
+        "device": "cpu (test)",
+        "precision": "32-true",
+        "train_time_s": 100.0 + seed,
+        "model": {"num_heads": heads, "embed_dim": 64},
+    }
+    (path / "metrics.json").write_text(json.dumps(metrics))
+
+
+def test_results_table_groups_seeds_and_reports_mean_and_std(tmp_path):
+    accs = {1: [0.97, 0.98, 0.99], 4: [0.99, 0.99, 0.99]}
+    job = 0
+    for heads, values in accs.items():
+        for seed, acc in enumerate(values, start=1):
+            fake_run(tmp_path / "sweep" / str(job), heads=heads, seed=seed, acc=acc)
+            job += 1
+    (tmp_path / "sweep" / "eval" / "x").mkdir(parents=True)  # not a training run: ignored
+    rows = group_rows(find_runs([tmp_path / "sweep"]))
+    assert [row.first["model"]["num_heads"] for row in rows] == [1, 4]
+    mean, std = rows[0].test_acc
+    assert mean == pytest.approx(98.0) and std == pytest.approx(1.0)  # sample std
+    table = markdown_table(rows)
+    assert "98.00 +- 1.00 (n=3)" in table and "99.00 +- 0.00 (n=3)" in table
+    assert "`python train.py -m experiment=heads_sweep model.num_heads=1 seed=1,2,3`" in table
+    assert table.count("\n") == 2 + 2
+    png = heads_plot(rows, tmp_path / "heads.png", "test")
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_results_script_without_runs_is_one_line(tmp_path):
+    from tests.test_cli import run
+
+    result = run("scripts/results.py", str(tmp_path))
+    assert result.returncode == 2 and result.stderr.startswith("error: no training run")
+
+
+def test_ema_callback_trains_and_validates_with_averaged_weights(make_train_cfg):
+    from vit_mnist.train import train
+
+    cfg = make_train_cfg("callbacks=[default,ema]", "callbacks.ema.update_starting_at_step=2")
+    assert cfg.callbacks.ema._target_.endswith("EMAWeightAveraging")
+    metrics = train(cfg)
+    assert 0 <= metrics["test/acc"] <= 1 and metrics["epochs"] == 2

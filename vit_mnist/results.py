@@ -1,0 +1,203 @@
+"""Results tables from run dirs: what ``scripts/results.py`` prints into the README.
+
+Each run dir written by ``train.py`` holds ``metrics.json`` and ``.hydra/overrides.yaml``.
+Runs that differ only in ``seed`` form one row: test accuracy as mean +- sample standard
+deviation over the seeds, never the best seed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DATASET_NAMES = {"mnist": "MNIST", "fashion_mnist": "Fashion-MNIST", "synthetic": "synthetic"}
+
+
+@dataclass
+class Run:
+    """One finished training run: its directory, ``metrics.json`` and command-line overrides."""
+
+    path: Path
+    metrics: dict[str, Any]
+    overrides: list[str]
+    # Position of the path it was found under, among the paths given: rows keep that order.
+    source_index: int = 0
+
+    @property
+    def seed(self) -> int:
+        return int(self.metrics["seed"])
+
+    def command(self) -> str:
+        """``python train.py`` with this run's overrides, seed and Hydra's own left out."""
+        kept = [o for o in self.overrides if not o.startswith(("seed=", "hydra.", "hydra/"))]
+        return " ".join(["python train.py", *kept])
+
+
+@dataclass
+class Row:
+    """Runs that differ only in their seed."""
+
+    runs: list[Run] = field(default_factory=list)
+
+    def _values(self, key: str) -> list[float]:
+        return [float(r.metrics[key]) for r in self.runs if r.metrics.get(key) is not None]
+
+    @property
+    def first(self) -> dict[str, Any]:
+        return self.runs[0].metrics
+
+    @property
+    def test_acc(self) -> tuple[float, float]:
+        """Mean and sample standard deviation (0 for one seed) of test accuracy, in %."""
+        values = [100 * v for v in self._values("test/acc")]
+        if not values:
+            return float("nan"), float("nan")
+        return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+    def command(self) -> str:
+        """The command that reruns every seed of this row (a multirun when several)."""
+        seeds = sorted(r.seed for r in self.runs)
+        head, _, rest = self.runs[0].command().partition(" train.py")
+        multirun = " -m" if len(seeds) > 1 else ""
+        return f"{head} train.py{multirun}{rest} seed={','.join(map(str, seeds))}"
+
+    def markdown(self) -> list[str]:
+        m = self.first
+        seeds = sorted(r.seed for r in self.runs)
+        mean, std = self.test_acc
+        val = self._values("val/acc_best")
+        fit = self._values("train_time_s")
+        return [
+            DATASET_NAMES.get(m.get("dataset"), str(m.get("dataset"))),
+            str(m.get("experiment") or "-"),
+            f"{m['num_params'] / 1e6:.2f}M",
+            str(m.get("epochs")),
+            f"{m.get('device')}, {m.get('precision')}",
+            _seconds(statistics.fmean(fit)) if fit else "-",
+            f"{mean:.2f} +- {std:.2f} (n={len(seeds)})",
+            f"{100 * statistics.fmean(val):.2f}" if val else "-",
+            f"`{self.command()}`",
+        ]
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.0f}" if s >= 10 else f"{s:.1f}"
+
+
+def find_runs(paths: Iterable[str | Path]) -> list[Run]:
+    """Every run dir (one holding ``metrics.json``) at or under ``paths``, sorted by path.
+
+    Raises:
+        FileNotFoundError: a path does not exist, or no run dir is found.
+    """
+    runs = []
+    for index, root in enumerate(map(Path, paths)):
+        if not root.exists():
+            raise FileNotFoundError(f"{root} does not exist")
+        for metrics_file in sorted(root.rglob("metrics.json")):
+            run_dir = metrics_file.parent
+            overrides_file = run_dir / ".hydra" / "overrides.yaml"
+            if not overrides_file.is_file():
+                continue  # an eval or export dir, not a training run
+            metrics = json.loads(metrics_file.read_text())
+            if "test/acc" not in metrics or "seed" not in metrics:
+                continue
+            overrides = yaml.safe_load(overrides_file.read_text()) or []
+            runs.append(Run(run_dir, metrics, [str(o) for o in overrides], index))
+    if not runs:
+        raise FileNotFoundError(f"no training run (metrics.json + .hydra/) under {list(paths)}")
+    return runs
+
+
+def group_rows(runs: Iterable[Run]) -> list[Row]:
+    """Group runs whose command lines are equal once ``seed`` is left out.
+
+    Rows come in the order of the paths given to :func:`find_runs`, then by dataset,
+    experiment, ``embed_dim`` and ``num_heads``.
+    """
+    rows: dict[str, Row] = {}
+    for run in runs:
+        rows.setdefault(run.command(), Row()).runs.append(run)
+
+    def order(row: Row) -> tuple:
+        m = row.first
+        model = m.get("model") or {}
+        dataset = str(m.get("dataset"))
+        return (
+            row.runs[0].source_index,
+            list(DATASET_NAMES).index(dataset) if dataset in DATASET_NAMES else len(DATASET_NAMES),
+            dataset,
+            str(m.get("experiment")),
+            model.get("embed_dim", 0),
+            model.get("num_heads", 0),
+            row.runs[0].command(),
+        )
+
+    return sorted(rows.values(), key=order)
+
+
+HEADER = [
+    "dataset",
+    "experiment",
+    "parameters",
+    "epochs",
+    "hardware, precision",
+    "fitting time (s, mean)",
+    "test acc % (mean +- std over seeds)",
+    "best val acc % (mean)",
+    "command",
+]
+
+
+def markdown_table(rows: Sequence[Row]) -> str:
+    """A Markdown table, one line per row, in the order given."""
+    out = io.StringIO()
+    out.write("| " + " | ".join(HEADER) + " |\n")
+    out.write("|" + " --- |" * len(HEADER) + "\n")
+    for row in rows:
+        out.write("| " + " | ".join(row.markdown()) + " |\n")
+    return out.getvalue()
+
+
+def heads_curve(rows: Sequence[Row]) -> list[tuple[int, float, float, int]]:
+    """``(num_heads, mean test acc %, std, seeds)`` for rows that differ in ``num_heads``."""
+    points = []
+    for row in rows:
+        mean, std = row.test_acc
+        points.append((int(row.first["model"]["num_heads"]), mean, std, len(row.runs)))
+    return sorted(points)
+
+
+def heads_plot(rows: Sequence[Row], out: Path, title: str) -> Path:
+    """Test accuracy (mean +- std over seeds) against heads, written to ``out`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from vit_mnist.data.sources import atomic_write_bytes
+
+    points = heads_curve(rows)
+    heads, means, stds = (list(v) for v in zip(*[p[:3] for p in points], strict=True))
+    fig, ax = plt.subplots(figsize=(5, 3.5), dpi=120)
+    ax.errorbar(heads, means, yerr=stds, marker="o", capsize=4)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(heads, [str(h) for h in heads])
+    embed_dim = rows[0].first["model"]["embed_dim"]
+    ax.set_xlabel(f"num_heads (embed_dim {embed_dim}: head_dim = {embed_dim} / num_heads)")
+    ax.set_ylabel("test accuracy, % (mean ± std over seeds)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    atomic_write_bytes(out, buf.getvalue())
+    return out
