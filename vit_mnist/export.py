@@ -9,8 +9,8 @@ graph, so a consumer needs no constants from this project. The batch axis is dyn
 
 from __future__ import annotations
 
+import io
 import logging
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from vit_mnist.data.sources import atomic_write_bytes
 from vit_mnist.errors import ConfigError
 from vit_mnist.evaluate import checkpoint_datamodule, read_checkpoint, resolve_ckpt_path
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
@@ -66,18 +67,6 @@ class ExportCheck:
     accuracy: float
 
 
-def _atomic(path: Path, write) -> Path:
-    """Run ``write(tmp)`` then rename ``tmp`` to ``path``: no half-written model on a crash."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
 def export_model(model: PixelsToLogits, fmt: str, path: Path, *, opset: int = 18) -> Path:
     """Write ``model`` (in eval mode, on the CPU) to ``path`` as ONNX or TorchScript.
 
@@ -101,32 +90,32 @@ def export_model(model: PixelsToLogits, fmt: str, path: Path, *, opset: int = 18
             logging.getLogger(name).setLevel(logging.WARNING)
         batch = torch.export.Dim("batch", min=1, max=65536)
 
-        def write(tmp: Path) -> None:
-            program = torch.onnx.export(
-                model,
-                (example,),
-                input_names=["images"],
-                output_names=["logits"],
-                dynamic_shapes=({0: batch},),
-                opset_version=opset,
-                dynamo=True,
-                verbose=False,
-            )
-            program.save(str(tmp))
+        program = torch.onnx.export(
+            model,
+            (example,),
+            input_names=["images"],
+            output_names=["logits"],
+            dynamic_shapes=({0: batch},),
+            opset_version=opset,
+            dynamo=True,
+            verbose=False,
+        )
+        data = program.model_proto.SerializeToString()
 
     elif fmt == "torchscript":
-
-        def write(tmp: Path) -> None:
-            # The tracer warns about the image-size check and the q/k/v split; both are
-            # fixed by the architecture, not by the batch, so the trace is exact.
-            with torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore", torch.jit.TracerWarning)
-                traced = torch.jit.trace(model, example)
-            traced.save(str(tmp))
+        # The tracer warns about the image-size check and the q/k/v split; both are fixed
+        # by the architecture, not by the batch, so the trace is exact.
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            traced = torch.jit.trace(model, example)
+        buffer = io.BytesIO()
+        torch.jit.save(traced, buffer)
+        data = buffer.getvalue()
 
     else:
         raise ConfigError(f"format={fmt!r} is unknown; use one of {list(FORMATS)}")
-    return _atomic(path, write)
+    atomic_write_bytes(path, data)
+    return path
 
 
 def run_exported(fmt: str, path: Path, pixels: torch.Tensor, batch_size: int = 384) -> torch.Tensor:

@@ -182,7 +182,7 @@ def heads_plot(rows: Sequence[Row], out: Path, title: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from vit_mnist.data.sources import atomic_write_bytes
+    from vit_mnist.analysis import save_figure
 
     points = heads_curve(rows)
     heads, means, stds = (list(v) for v in zip(*[p[:3] for p in points], strict=True))
@@ -196,8 +196,5 @@ def heads_plot(rows: Sequence[Row], out: Path, title: str) -> Path:
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    atomic_write_bytes(out, buf.getvalue())
+    save_figure(fig, out)
     return out

