@@ -87,11 +87,13 @@ def test_mnist_split_sizes_disjoint_and_fixed(mnist_dir):
     assert torch.equal(train_idx, again)
     assert len(set(train_idx.tolist()) | set(val_idx.tolist())) == 60_000
     x, y = dm.data_test.tensors
-    assert x.shape == (10_000, 1, 28, 28)
+    assert x.shape == (10_000, 1, 28, 28) and x.dtype == torch.uint8
     assert torch.bincount(y).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
-    # Normalised with the training set's mean and std.
-    assert abs(dm.data_train.tensors[0].mean().item()) < 0.01
-    assert abs(dm.data_train.tensors[0].std().item() - 1) < 0.01
+    # Batches come normalised with the training set's mean and std.
+    train = dm.data_train.normalise(dm.data_train.tensors[0])
+    assert train.dtype == torch.float32
+    assert abs(train.mean().item()) < 0.01
+    assert abs(train.std().item() - 1) < 0.01
     for name, md5 in sources.MNIST_MD5.items():
         path = sources.raw_folder(mnist_dir) / name
         assert hashlib.md5(path.read_bytes()).hexdigest() == md5
@@ -123,3 +125,46 @@ def test_batch_random_affine_rejects_bad_ranges(kwargs):
 
     with pytest.raises(ConfigError, match="augment"):
         BatchRandomAffine(**kwargs)
+
+
+def test_tensor_dataset_serves_whole_batches_like_per_image_collation():
+
+    from vit_mnist.data.base import ImageTensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (10, 1, 28, 28), dtype=torch.uint8, generator=g)
+    labels = torch.arange(10)
+    data = ImageTensorDataset(images, labels, mean=0.1307, std=0.3081)
+    x, y = data.__getitems__([3, 1, 4])
+    assert x.dtype == torch.float32 and x.shape == (3, 1, 28, 28)
+    assert y.tolist() == [3, 1, 4]
+    # The same values as normalising the images one at a time.
+    one = torch.stack([data[i][0] for i in (3, 1, 4)])
+    assert torch.equal(x, one)
+    assert torch.allclose(x[0], (images[3].float() / 255 - 0.1307) / 0.3081, atol=1e-6)
+    with pytest.raises(ValueError, match="10 images but 9 labels"):
+        ImageTensorDataset(images, labels[:9])
+
+
+@pytest.mark.real_data
+def test_fast_and_plain_torchvision_paths_give_the_same_batches(mnist_dir):
+    fast = MNISTDataModule(data_dir=str(mnist_dir), batch_size=64)
+    plain = MNISTDataModule(data_dir=str(mnist_dir), batch_size=64, fast=False)
+    for dm in (fast, plain):
+        dm.prepare_data()
+        dm.setup()
+    assert len(plain.data_train) == len(fast.data_train) == 55_000
+    for loader_f, loader_p in [
+        (fast.val_dataloader(), plain.val_dataloader()),
+        (fast.test_dataloader(), plain.test_dataloader()),
+    ]:
+        (xf, yf), (xp, yp) = next(iter(loader_f)), next(iter(loader_p))
+        assert torch.equal(yf, yp)
+        assert torch.allclose(xf, xp, atol=1e-6)
+    torch.manual_seed(0)
+    xf, yf = next(iter(fast.train_dataloader()))
+    torch.manual_seed(0)
+    xp, yp = next(iter(plain.train_dataloader()))
+    assert torch.equal(yf, yp) and torch.allclose(xf, xp, atol=1e-6)
+    pixels, labels = plain.test_pixels(5)
+    assert torch.allclose(pixels, fast.test_pixels(5)[0], atol=1e-6)

@@ -29,7 +29,13 @@ from vit_mnist.checkpointing import resolve_latest
 from vit_mnist.drawing import save_png
 from vit_mnist.errors import CheckpointError, ConfigError
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
-from vit_mnist.utils import describe_device, exit_on_user_error, uses_cuda, write_metrics
+from vit_mnist.utils import (
+    describe_device,
+    exit_on_user_error,
+    resolve_precision,
+    uses_cuda,
+    write_metrics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +146,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     module = ViTClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True)
     # The training precision, unless `precision=` says otherwise: bf16 and fp32 logits can
     # differ in the last bits, and the accuracy should match the training run's.
-    precision = cfg.get("precision") or run_info.get("precision") or cfg.trainer.precision
     on_cuda = uses_cuda(str(cfg.trainer.accelerator))
+    precision = resolve_precision(
+        cfg.get("precision") or run_info.get("precision") or cfg.trainer.precision, on_cuda
+    )
     if not on_cuda and str(precision).startswith("16") and not cfg.get("precision"):
         # A checkpoint trained with float16 on a GPU: float16 is a GPU format, use float32.
         log.info("trained with precision=%s on a GPU; evaluating in 32-true on the CPU", precision)

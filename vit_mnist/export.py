@@ -166,9 +166,11 @@ def sample_test_images(
     datamodule = checkpoint_datamodule(cfg, ckpt_path, run_info)
     datamodule.prepare_data()
     datamodule.setup("test")
-    images, labels = datamodule.data_test.tensors
-    # The datamodule serves normalised images: undo that to get the pixels a user has.
-    return images[:n] * std + mean, labels[:n]
+    if hasattr(datamodule, "test_pixels"):
+        return datamodule.test_pixels(n)
+    images, labels = datamodule.data_test.tensors[:2]
+    # Float test data is served normalised: undo that to get the pixels a user has.
+    return images[:n].float() * std + mean, labels[:n]
 
 
 def export(cfg: DictConfig) -> dict[str, Any]:

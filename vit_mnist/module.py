@@ -76,7 +76,9 @@ class ViTClassifier(L.LightningModule):
 
     Args:
         model: keyword arguments of ``VisionTransformer`` (``patch_size``, ``embed_dim``,
-            ``depth``, ``num_heads``, ``mlp_ratio``, ...).
+            ``depth``, ``num_heads``, ``mlp_ratio``, ...), plus ``compile``: True runs
+            training, validation and test through ``torch.compile(net)`` (compiled at the
+            first batch of each shape; the weights and checkpoints are the same).
         lr: peak learning rate of AdamW.
         weight_decay: AdamW's decoupled weight decay, applied to weight matrices only
             (not to biases, norms, ``cls_token`` or ``pos_embed``).
@@ -114,7 +116,9 @@ class ViTClassifier(L.LightningModule):
             label_smoothing=label_smoothing,
         )
         self.save_hyperparameters()
-        self.net = VisionTransformer(**model)
+        self.net = VisionTransformer(**{k: v for k, v in model.items() if k != "compile"})
+        self._compile = bool(model.get("compile", False))
+        self._compiled: nn.Module | None = None
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         num_classes = model.get("num_classes", 10)
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
@@ -129,7 +133,13 @@ class ViTClassifier(L.LightningModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, 1, 28, 28) float -> logits (B, num_classes)."""
-        return self.net(x)
+        return self.net(x) if self._compiled is None else self._compiled(x)
+
+    def setup(self, stage: str) -> None:
+        if self._compile and self._compiled is None:
+            # Kept out of the module tree (object.__setattr__), so the state dict and the
+            # checkpoints keep the plain `net.*` names.
+            object.__setattr__(self, "_compiled", torch.compile(self.net))
 
     def on_train_start(self) -> None:
         # The sanity-check validation must not count towards the best accuracy; a resumed

@@ -26,7 +26,13 @@ from vit_mnist.errors import ConfigError
 from vit_mnist.evaluate import read_checkpoint
 from vit_mnist.models.vit import check_vit_args
 from vit_mnist.module import ViTClassifier, check_module_args
-from vit_mnist.utils import describe_device, exit_on_user_error, uses_cuda, write_metrics
+from vit_mnist.utils import (
+    describe_device,
+    exit_on_user_error,
+    resolve_precision,
+    uses_cuda,
+    write_metrics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +54,13 @@ def _check_device(trainer_cfg: DictConfig) -> None:
             "use trainer=cpu or trainer=default (accelerator: auto)"
         )
     on_cuda = uses_cuda(accelerator)
-    precision = str(trainer_cfg.get("precision", "32-true"))
+    precision = resolve_precision(trainer_cfg.get("precision", "auto"), on_cuda)
     valid = ["32-true", "32", "bf16-mixed", "bf16-true", "64-true"]
     valid += ["16-mixed", "16-true"] if on_cuda else []
     if precision not in valid:
         raise ConfigError(
             f"trainer.precision={precision} cannot run on {'cuda' if on_cuda else 'cpu'}; "
-            f"use one of {valid}"
+            f"use one of {['auto', *valid]}"
         )
     if on_cuda and precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
         raise ConfigError(
@@ -112,7 +118,11 @@ def check_config(cfg: DictConfig) -> None:
     Raises:
         ConfigError: one line naming the key, the value and what would be valid.
     """
-    check_vit_args(**_resolved(cfg.model))
+    model = _resolved(cfg.model)
+    compile_ = model.pop("compile", False)
+    if not isinstance(compile_, bool):
+        raise ConfigError(f"model.compile={compile_!r} must be true or false")
+    check_vit_args(**model)
     data = cfg.data
     _positive_int("data.batch_size", data.get("batch_size"))
     if data.get("num_workers", 0) < 0:
@@ -175,9 +185,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     module: ViTClassifier = hydra.utils.instantiate(
         cfg.module, model=_resolved(cfg.model), _convert_="all"
     )
+    precision = resolve_precision(
+        cfg.trainer.get("precision", "auto"), uses_cuda(str(cfg.trainer.get("accelerator")))
+    )
+    log.info("precision: %s (trainer.precision=%s)", precision, cfg.trainer.get("precision"))
     module.run_info = {
         "data": _resolved(cfg.data),
-        "precision": str(cfg.trainer.get("precision", "32-true")),
+        "precision": precision,
         "seed": cfg.seed,
     }
     throughput = TrainThroughput()
@@ -190,7 +204,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None
     ]
     trainer: L.Trainer = hydra.utils.instantiate(
-        cfg.trainer, callbacks=callbacks, logger=loggers, plugins=[AtomicCheckpointIO()]
+        cfg.trainer,
+        callbacks=callbacks,
+        logger=loggers,
+        plugins=[AtomicCheckpointIO()],
+        precision=precision,
     )
 
     num_params = sum(p.numel() for p in module.net.parameters())

@@ -61,6 +61,27 @@ def uses_cuda(accelerator: str) -> bool:
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
+def has_native_bf16(on_cuda: bool) -> bool:
+    """Whether this machine computes in bfloat16 natively: a CUDA GPU from Ampere on, or a
+    CPU with AVX512-BF16 or AMX (where oneDNN runs bf16 matrix products at about 4x the
+    float32 rate). Elsewhere bf16 is emulated and slower than float32."""
+    if on_cuda:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # an older or non-x86 build: say no rather than guess
+        return False
+
+
+def resolve_precision(precision: Any, on_cuda: bool) -> str:
+    """``trainer.precision``, with ``auto`` made concrete: ``bf16-mixed`` where the hardware
+    has bfloat16 (see :func:`has_native_bf16`), else ``32-true``."""
+    precision = str(precision)
+    if precision != "auto":
+        return precision
+    return "bf16-mixed" if has_native_bf16(on_cuda) else "32-true"
+
+
 def describe_device(device: torch.device) -> str:
     """A human-readable device line, e.g. ``cpu (AMD EPYC ..., 2 threads)``."""
     if device.type == "cuda":

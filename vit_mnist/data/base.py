@@ -1,31 +1,110 @@
-"""A LightningDataModule over in-memory tensors: the whole of MNIST is 47 MB as uint8."""
+"""A LightningDataModule over in-memory tensors: the whole of MNIST is 47 MB as uint8.
+
+The fast path: the images stay uint8 in one tensor (moved to the GPU when training
+there); each batch is gathered with one indexing call and normalised with tensor ops on
+the tensor's device, then augmented on the device (``on_after_batch_transfer``). No
+per-image Python, PIL or collate work. Any other map-style dataset (a user's own, a
+torchvision dataset with per-sample transforms) goes through the same DataLoader with
+PyTorch's default per-sample collation.
+"""
 
 from __future__ import annotations
 
+import logging
+
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms.v2 import functional as TF
 
 from vit_mnist.data.augment import BatchAugment
+
+log = logging.getLogger(__name__)
+
+
+class ImageTensorDataset(Dataset):
+    """Images and labels held as two tensors, served a whole batch at a time.
+
+    ``DataLoader`` calls ``__getitems__`` with a batch of indices (PyTorch >= 2.1): one
+    gather of the uint8 images, then one normalisation of the batch, on whatever device
+    the tensors live. ``dataset[i]`` gives one normalised image for code that wants one.
+
+    Args:
+        images: (N, C, H, W) uint8 pixels in [0, 255], or float images already
+            normalised (synthetic data); stored as given.
+        labels: (N,) int64 class indices.
+        mean, std: normalisation of pixels scaled to [0, 1]: ``(x / 255 - mean) / std``.
+            Ignored for float images.
+
+    Attributes:
+        tensors: ``(images, labels)`` as stored (uint8 for real data).
+
+    Raises:
+        ValueError: images and labels of different lengths.
+    """
+
+    def __init__(
+        self, images: torch.Tensor, labels: torch.Tensor, *, mean: float = 0.0, std: float = 1.0
+    ) -> None:
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.tensors = (images, labels)
+        self.mean, self.std = mean, std
+
+    def __len__(self) -> int:
+        return len(self.tensors[1])
+
+    def normalise(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 pixels (B, C, H, W) -> normalised float32 on the same device; floats pass."""
+        if images.dtype != torch.uint8:
+            return images
+        x = TF.to_dtype(images, torch.float32, scale=True)  # uint8 -> [0, 1]
+        return TF.normalize(x, mean=[self.mean], std=[self.std])
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = self.tensors
+        return self.normalise(images[index : index + 1])[0], labels[index]
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = self.tensors
+        idx = torch.as_tensor(indices, device=images.device)
+        return self.normalise(images[idx]), labels[idx]
+
+    def to(self, device: torch.device | str) -> ImageTensorDataset:
+        """The same dataset with its tensors on ``device`` (a no-op when already there)."""
+        images, labels = self.tensors
+        self.tensors = (images.to(device), labels.to(device))
+        return self
+
+
+def _whole_batch(batch):
+    # __getitems__ already returns the finished (images, labels) batch.
+    return batch
 
 
 class InMemoryDataModule(L.LightningDataModule):
     """Serves ``(image, label)`` batches from tensors that subclasses build in ``setup``.
 
     Subclasses set ``self.data_train``, ``self.data_val`` and ``self.data_test`` to
-    :class:`~torch.utils.data.TensorDataset` s of normalised float32 images
-    (N, 1, 28, 28) and int64 labels (N,), and ``self.source`` to a short text saying
-    where the data came from (written into ``metrics.json``).
+    :class:`ImageTensorDataset` s (or any map-style dataset of ``(image, label)`` pairs),
+    and ``self.source`` to a short text saying where the data came from (written into
+    ``metrics.json``).
 
     Args:
         batch_size: images per training batch.
         num_workers: DataLoader worker processes; 0 is right for in-memory tensors,
             where a worker only adds inter-process copies.
-        pin_memory: pin host memory (helps host-to-GPU copies).
+        pin_memory: pin host memory (helps host-to-GPU copies of a dataset that stays on
+            the host).
         augment: arguments of :class:`~vit_mnist.data.augment.BatchAugment` (``degrees``,
             ``translate``, ``scale``, ``hflip``, ``erasing``) applied to training batches
             after they reach the device; None for no augmentation. Validation and test
             batches are never augmented.
+        on_device: when the trainer runs on a GPU, move the tensors of every
+            :class:`ImageTensorDataset` there once in ``setup`` (MNIST is 47 MB), so no
+            batch crosses the PCIe bus. Ignored on the CPU and for other datasets.
+
+    Batches: images float32 (B, C, H, W), normalised; labels int64 (B,).
     """
 
     name = "in-memory"
@@ -43,27 +122,48 @@ class InMemoryDataModule(L.LightningDataModule):
         num_workers: int = 0,
         pin_memory: bool = False,
         augment: dict | None = None,
+        on_device: bool = True,
     ):
         super().__init__()
         self.augment = BatchAugment(**augment, fill=self.background) if augment else None
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory
-        self.data_train: TensorDataset | None = None
-        self.data_val: TensorDataset | None = None
-        self.data_test: TensorDataset | None = None
+        self.on_device = on_device
+        self.data_train: Dataset | None = None
+        self.data_val: Dataset | None = None
+        self.data_test: Dataset | None = None
         self.source: str | None = None
 
-    def _loader(self, dataset: TensorDataset | None, shuffle: bool) -> DataLoader:
+    def _device_resident(self) -> bool:
+        device = self.trainer.strategy.root_device if self.trainer is not None else None
+        return bool(self.on_device and device is not None and device.type == "cuda")
+
+    def move_to_device(self) -> None:
+        """Move the tensor datasets to the trainer's GPU when ``on_device`` says so."""
+        if not self._device_resident():
+            return
+        device = self.trainer.strategy.root_device
+        for data in (self.data_train, self.data_val, self.data_test):
+            if isinstance(data, ImageTensorDataset):
+                data.to(device)
+        log.info("dataset tensors moved to %s", device)
+
+    def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__}.setup() has not been called")
+        batched = isinstance(dataset, ImageTensorDataset)
+        on_gpu = batched and dataset.tensors[0].device.type == "cuda"
+        # Worker processes cannot share CUDA tensors; pinning is for host memory only.
+        workers = 0 if on_gpu else self.num_workers
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
             shuffle=shuffle,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=self.num_workers > 0,
+            num_workers=workers,
+            pin_memory=self.pin_memory and not on_gpu,
+            persistent_workers=workers > 0,
+            collate_fn=_whole_batch if batched else None,
         )
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):

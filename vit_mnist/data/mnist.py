@@ -6,10 +6,10 @@ import logging
 
 import torch
 import torchvision.datasets
-from torch.utils.data import TensorDataset
-from torchvision.transforms.v2 import functional as TF
+from torch.utils.data import Subset
+from torchvision.transforms import v2
 
-from vit_mnist.data.base import InMemoryDataModule
+from vit_mnist.data.base import ImageTensorDataset, InMemoryDataModule
 from vit_mnist.data.sources import ensure_fashion_mnist, ensure_mnist, read_source
 from vit_mnist.errors import ConfigError
 
@@ -33,6 +33,12 @@ class MNISTDataModule(InMemoryDataModule):
         mean, std: normalisation of pixel values in [0, 1] (the MNIST training set's).
         pin_memory: pin host memory.
         augment: random affine of training batches, see :class:`InMemoryDataModule`.
+        on_device: keep the images on the GPU when training there.
+        fast: True (the default) serves batches from one uint8 tensor
+            (:class:`~vit_mnist.data.base.ImageTensorDataset`); False reads the same
+            images through ``torchvision.datasets.<folder>`` with per-image transforms and
+            the DataLoader's default collation, the path a dataset of your own takes.
+            Both give the same normalised float32 values.
 
     Batches: images float32 (B, 1, 28, 28), normalised; labels int64 (B,) in 0..9.
 
@@ -61,11 +67,18 @@ class MNISTDataModule(InMemoryDataModule):
         std: float = 0.3081,
         pin_memory: bool = False,
         augment: dict | None = None,
+        on_device: bool = True,
+        fast: bool = True,
     ) -> None:
         self.background = -mean / std
         super().__init__(
-            batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory, augment=augment
+            batch_size=batch_size,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            augment=augment,
+            on_device=on_device,
         )
+        self.fast = fast
         if not 0 < val_size < self.num_train_official:
             raise ConfigError(
                 f"data.val_size={val_size} must be between 1 and {self.num_train_official - 1}"
@@ -83,23 +96,38 @@ class MNISTDataModule(InMemoryDataModule):
         if self.source is None:
             self.source = self.ensure_files(self.data_dir, download=self.download)
 
-    def _normalise(self, images: torch.Tensor) -> torch.Tensor:
-        x = TF.to_dtype(images.unsqueeze(1), torch.float32, scale=True)  # uint8 -> [0, 1]
-        return TF.normalize(x, mean=[self.mean], std=[self.std])
-
     def setup(self, stage: str | None = None) -> None:
         if self.data_train is not None:
+            self.move_to_device()
             return
         if self.source is None:  # prepare_data ran in another process
             self.source = read_source(self.data_dir, self.folder)
         dataset = getattr(torchvision.datasets, self.folder)
-        train = dataset(self.data_dir, train=True, download=False)
-        test = dataset(self.data_dir, train=False, download=False)
-        x, y = self._normalise(train.data), train.targets
-        train_idx, val_idx = self.split(len(y), self.val_size, self.split_seed)
-        self.data_train = TensorDataset(x[train_idx], y[train_idx])
-        self.data_val = TensorDataset(x[val_idx], y[val_idx])
-        self.data_test = TensorDataset(self._normalise(test.data), test.targets)
+        if self.fast:
+            train = dataset(self.data_dir, train=True, download=False)
+            test = dataset(self.data_dir, train=False, download=False)
+        else:
+            per_image = v2.Compose(
+                [
+                    v2.ToImage(),
+                    v2.ToDtype(torch.float32, scale=True),
+                    v2.Normalize(mean=[self.mean], std=[self.std]),
+                ]
+            )
+            train = dataset(self.data_dir, train=True, download=False, transform=per_image)
+            test = dataset(self.data_dir, train=False, download=False, transform=per_image)
+        train_idx, val_idx = self.split(len(train.targets), self.val_size, self.split_seed)
+        if self.fast:
+            x, y = train.data.unsqueeze(1), train.targets  # (N, 1, 28, 28) uint8
+            norm = {"mean": self.mean, "std": self.std}
+            self.data_train = ImageTensorDataset(x[train_idx], y[train_idx], **norm)
+            self.data_val = ImageTensorDataset(x[val_idx], y[val_idx], **norm)
+            self.data_test = ImageTensorDataset(test.data.unsqueeze(1), test.targets, **norm)
+            self.move_to_device()
+        else:
+            self.data_train = Subset(train, train_idx.tolist())
+            self.data_val = Subset(train, val_idx.tolist())
+            self.data_test = test
         log.info(
             "%s: %d train / %d val / %d test images from %s",
             self.folder,
@@ -108,6 +136,18 @@ class MNISTDataModule(InMemoryDataModule):
             len(test.targets),
             self.source,
         )
+
+    def test_pixels(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` test images as pixels a user has, float32 (n, 1, 28, 28) in
+        [0, 1], and their labels (n,) int64, on the CPU. Call after ``setup``."""
+        data = self.data_test
+        if isinstance(data, ImageTensorDataset):
+            images, labels = data.tensors
+            pixels = v2.functional.to_dtype(images[:n].cpu(), torch.float32, scale=True)
+            return pixels, labels[:n].cpu()
+        pairs = [data[i] for i in range(min(n, len(data)))]
+        images = torch.stack([p[0] for p in pairs]) * self.std + self.mean
+        return images, torch.tensor([int(p[1]) for p in pairs])
 
 
 class FashionMNISTDataModule(MNISTDataModule):

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch.utils.data import TensorDataset
 
-from vit_mnist.data.base import InMemoryDataModule
+from vit_mnist.data.base import ImageTensorDataset, InMemoryDataModule
 
 
 class SyntheticDataModule(InMemoryDataModule):
@@ -19,6 +18,7 @@ class SyntheticDataModule(InMemoryDataModule):
         noise: standard deviation of the noise added to the unit-variance prototypes.
         seed: seed of the prototypes, labels and noise (same data for the same seed).
         batch_size, num_workers, pin_memory: as for the DataLoader.
+        on_device: keep the tensors on the GPU when training there.
 
     Batches: images float32 (B, 1, 28, 28); labels int64 (B,) in 0..9.
     """
@@ -36,8 +36,14 @@ class SyntheticDataModule(InMemoryDataModule):
         batch_size: int = 64,
         num_workers: int = 0,
         pin_memory: bool = False,
+        on_device: bool = True,
     ) -> None:
-        super().__init__(batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory)
+        super().__init__(
+            batch_size=batch_size,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            on_device=on_device,
+        )
         self.sizes = (num_train, num_val, num_test)
         self.noise = noise
         self.seed = seed
@@ -47,6 +53,7 @@ class SyntheticDataModule(InMemoryDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.data_train is not None:
+            self.move_to_device()
             return
         self.source = "synthetic"
         g = torch.Generator().manual_seed(self.seed)
@@ -55,5 +62,6 @@ class SyntheticDataModule(InMemoryDataModule):
         for n in self.sizes:
             y = torch.randint(0, self.num_classes, (n,), generator=g)
             x = prototypes[y] + self.noise * torch.randn(n, *self.image_shape, generator=g)
-            splits.append(TensorDataset(x, y))
+            splits.append(ImageTensorDataset(x, y))
         self.data_train, self.data_val, self.data_test = splits
+        self.move_to_device()
