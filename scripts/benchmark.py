@@ -9,7 +9,7 @@ Every implementation is built with the same architecture (image 28, patch 4, 1 c
 10 classes, class token, the same embed_dim, depth, heads and MLP width), trained with
 AdamW on the same random batch at the same precision, in this one process. After warm-up
 steps, the implementations take turns: each repetition times `--steps` training steps
-(forward, cross-entropy, backward, AdamW step) of every implementation in turn, so a
+(forward, cross-entropy, backward, fused AdamW step) of every implementation in turn, so a
 drift in the machine's speed touches all of them alike. The table gives the median
 images/s over the repetitions and each one's ratio to the faster peer.
 
@@ -105,11 +105,25 @@ def vit_pytorch(embed_dim, depth, num_heads, mlp_dim):
     )
 
 
+def compiled(build: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    def build_compiled(**arch):
+        return torch.compile(build(**arch))
+
+    return build_compiled
+
+
 IMPLS = {
     "ours (explicit)": ours("explicit"),
     "ours (fused)": ours("fused"),
     "timm": timm_vit,
     "vit-pytorch": vit_pytorch,
+}
+# torch.compile (inductor) of ours (attention_impl=auto: explicit on the CPU, fused on
+# CUDA) and of both peers: what model.compile=true buys, and what it buys the others.
+COMPILED = {
+    "ours (auto, compiled)": compiled(ours("auto")),
+    "timm (compiled)": compiled(timm_vit),
+    "vit-pytorch (compiled)": compiled(vit_pytorch),
 }
 PEERS = ("timm", "vit-pytorch")
 
@@ -168,20 +182,31 @@ def sync(device: torch.device) -> None:
 
 def build(name: str, arch: dict, device: torch.device, bf16: bool, batch: int) -> Trainer:
     torch.manual_seed(0)
-    model = IMPLS[name](**arch).to(device).train()
+    model = {**IMPLS, **COMPILED}[name](**arch).to(device).train()
     g = torch.Generator().manual_seed(1)
     images = torch.randn(batch, 1, IMG, IMG, generator=g).to(device)
     labels = torch.randint(0, CLASSES, (batch,), generator=g).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # The same optimizer for every implementation: AdamW's fused kernel (our trainer's).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     return Trainer(model, optimizer, images, labels, device, bf16)
 
 
-def run_row(device, bf16, arch, *, batch, steps, reps, warmup) -> dict[str, tuple[float, float]]:
-    """``{implementation: (median images/s, memory MB)}`` for one device/precision/arch."""
-    trainers = {name: build(name, arch, device, bf16, batch) for name in IMPLS}
-    for trainer in trainers.values():
+def run_row(
+    device, bf16, arch, *, batch, steps, reps, warmup, compile_too: bool, warmup_s: dict
+) -> dict[str, tuple[float, float]]:
+    """``{implementation: (median images/s, memory MB)}`` for one device/precision/arch.
+
+    ``warmup_s`` receives each implementation's warm-up seconds (for a compiled model,
+    mostly compilation)."""
+    names = list(IMPLS) + (list(COMPILED) if compile_too else [])
+    trainers = {name: build(name, arch, device, bf16, batch) for name in names}
+    for name, trainer in trainers.items():
+        sync(device)
+        start = time.perf_counter()
         for _ in range(warmup):
             trainer.step()
+        sync(device)
+        warmup_s[name] = time.perf_counter() - start
     speeds: dict[str, list[float]] = {name: [] for name in trainers}
     for _ in range(reps):
         for name, trainer in trainers.items():
@@ -209,12 +234,13 @@ def hardware_line(cuda: bool) -> str:
     return "; ".join(parts)
 
 
-def markdown(results, args, cuda: bool) -> str:
+def markdown(results, args, cuda: bool, warmups: dict) -> str:
     lines = [
         "# Training throughput: vit-mnist against timm and vit-pytorch",
         "",
         "Written by `python scripts/benchmark.py "
-        + f"--batch {args.batch} --steps {args.steps} --reps {args.reps}`.",
+        + f"--batch {args.batch} --steps {args.steps} --reps {args.reps} "
+        + f"--compile-archs {' '.join(args.compile_archs)}`.".replace(" `", "`"),
         "",
         f"Hardware: {hardware_line(cuda)}.",
         "",
@@ -233,6 +259,22 @@ def markdown(results, args, cuda: bool) -> str:
             lines.append(
                 f"| {row} | {arch} | {name} | {speed:,.0f} | {speed / best_peer:.2f} | {mem:,.1f} |"
             )
+    compiled_rows = [
+        (row, arch, name, secs)
+        for (row, arch), per_impl in warmups.items()
+        for name, secs in per_impl.items()
+        if name in COMPILED
+    ]
+    if compiled_rows:
+        lines += [
+            "",
+            f"Warm-up ({args.warmup} steps) of the compiled models, which is mostly "
+            "torch.compile's compilation (eager models take well under a second):",
+            "",
+            "| device, precision | architecture | implementation | warm-up (s) |",
+            "| --- | --- | --- | --- |",
+        ]
+        lines += [f"| {r} | {a} | {n} | {s:.1f} |" for r, a, n, s in compiled_rows]
     return "\n".join(lines) + "\n"
 
 
@@ -245,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/benchmarks.md", help="Markdown file, or -")
     parser.add_argument(
         "--archs", nargs="+", choices=["default", "larger"], default=["default", "larger"]
+    )
+    parser.add_argument(
+        "--compile-archs",
+        nargs="*",
+        choices=["default", "larger"],
+        default=["default"],
+        help="architectures that also get the torch.compile rows (compiling takes minutes)",
     )
     args = parser.parse_args(argv)
     try:
@@ -260,11 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if cuda:
         rows.append(("CUDA bf16 autocast", torch.device("cuda"), True))
-    results = {}
+    results, warmups = {}, {}
     for row, device, bf16 in rows:
         for arch_name, arch in ARCHS.items():
             if arch_name.split()[0] not in args.archs:
                 continue
+            warmups[(row, arch_name)] = {}
             per_impl = run_row(
                 device,
                 bf16,
@@ -273,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                 steps=args.steps,
                 reps=args.reps,
                 warmup=args.warmup,
+                compile_too=arch_name.split()[0] in args.compile_archs,
+                warmup_s=warmups[(row, arch_name)],
             )
             results[(row, arch_name)] = per_impl
             best_peer = max(per_impl[p][0] for p in PEERS)
@@ -280,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{n} {s:,.0f} ({s / best_peer:.2f}x)" for n, (s, _) in per_impl.items()
             )
             print(f"{row} | {arch_name}: {summary}", flush=True)
-    text = markdown(results, args, cuda)
+    text = markdown(results, args, cuda, warmups)
     if args.out == "-":
         print(text)
     else:

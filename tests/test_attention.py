@@ -116,3 +116,34 @@ def test_impossible_shapes_raise_value_error_naming_values(kwargs, words):
     assert isinstance(info.value, ConfigError)
     for word in words:
         assert word in str(info.value)
+
+
+def test_auto_runs_explicit_on_cpu_and_fused_on_cuda():
+    from vit_mnist.models.attention import resolve_attention_impl
+
+    assert resolve_attention_impl("auto", "cpu") == "explicit"
+    assert resolve_attention_impl("auto", "cuda") == "fused"
+    assert resolve_attention_impl("fused", "cpu") == "fused"
+    torch.manual_seed(0)
+    auto = MultiHeadSelfAttention(embed_dim=32, num_heads=4)
+    explicit = MultiHeadSelfAttention(embed_dim=32, num_heads=4, impl="explicit")
+    explicit.load_state_dict(auto.state_dict())
+    x = torch.randn(2, 17, 32)
+    # On the CPU, auto is the explicit path: the same numbers, bit for bit.
+    assert torch.equal(auto(x), explicit(x))
+
+
+def test_bf16_explicit_softmax_is_float32_and_matches_fused():
+    torch.manual_seed(0)
+    explicit = MultiHeadSelfAttention(embed_dim=64, num_heads=4, impl="explicit")
+    fused = MultiHeadSelfAttention(embed_dim=64, num_heads=4, impl="fused")
+    fused.load_state_dict(explicit.state_dict())
+    x = torch.randn(4, 50, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, weights = explicit(x, need_weights=True)
+        out_fused = fused(x)
+    assert weights.dtype == torch.float32 and out.dtype == torch.bfloat16
+    torch.testing.assert_close(weights.sum(-1), torch.ones(4, 4, 50))
+    # Both round q, k, v and the weights to bf16 (8 significant bits): equal to a few ulp.
+    torch.testing.assert_close(out.float(), out_fused.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), explicit(x), atol=3e-2, rtol=3e-2)

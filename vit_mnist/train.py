@@ -142,7 +142,7 @@ def check_config(cfg: DictConfig) -> None:
     _positive_int("trainer.max_epochs", cfg.trainer.get("max_epochs"))
     _check_device(cfg.trainer)
     _check_launch(cfg.trainer)
-    every = (cfg.get("callbacks") or {}).get("last_checkpoint", {}).get("every_n_train_steps")
+    every = ((cfg.get("callbacks") or {}).get("last_checkpoint") or {}).get("every_n_train_steps")
     if every is not None:
         _positive_int("callbacks.last_checkpoint.every_n_train_steps", every)
 
@@ -237,6 +237,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "num_params": num_params,
         "model": _resolved(cfg.model),
         "train_time_s": round(train_time_s, 2),
+        # First training step to the end of the last (validations included; process
+        # start, data preparation, sanity check and test left out): the speedrun's clock.
+        "fit_time_s": round(throughput.fit_time_s, 2) if throughput.fit_time_s else None,
+        # torch.compile's warm-up before the first step (model.compile=true), else None.
+        "compile_time_s": (
+            round(module.compile_time_s, 2) if module.compile_time_s is not None else None
+        ),
         # Median over epochs of the training loop alone (no validation, no map logging),
         # for all processes together: DDP keeps them in step, so rank 0's rate x world size.
         "train_images_per_s": (

@@ -6,10 +6,12 @@ import statistics
 import time
 
 import lightning as L
+import torch
 
 
 class TrainThroughput(L.Callback):
-    """Measures the training loop's throughput, in images/s, epoch by epoch.
+    """Measures the training loop's throughput, in images/s, epoch by epoch, and the
+    fitting time.
 
     An epoch's clock runs from ``on_train_epoch_start`` until its validation starts (or
     the epoch ends when there is none), so it covers fetching batches, forward, backward
@@ -17,30 +19,56 @@ class TrainThroughput(L.Callback):
 
     Attributes:
         images_per_s: one figure per finished training epoch.
+        fit_time_s: wall seconds from the start of the first training step to the end of
+            the last one (CUDA synchronised), with the validations in between; it leaves
+            out process start, data preparation, the sanity check and the final test.
+            None before a training step has finished.
     """
 
     def __init__(self) -> None:
         self.images_per_s: list[float] = []
         self._start: float | None = None
         self._images = 0
+        self._first_step: float | None = None
+        self._last_step_end: float | None = None
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._start, self._images = time.perf_counter(), 0
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if self._first_step is None:
+            self._sync(pl_module)
+            self._first_step = time.perf_counter()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         self._images += len(batch[0])
 
-    def _stop(self) -> None:
+    @staticmethod
+    def _sync(pl_module: L.LightningModule) -> None:
+        # CUDA runs ahead of Python: wait for the queued steps before reading the clock.
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def _stop(self, pl_module: L.LightningModule) -> None:
+        self._sync(pl_module)
+        now = time.perf_counter()
         if self._start is not None and self._images:
-            self.images_per_s.append(self._images / (time.perf_counter() - self._start))
+            self.images_per_s.append(self._images / (now - self._start))
+            self._last_step_end = now
         self._start = None
+
+    @property
+    def fit_time_s(self) -> float | None:
+        if self._first_step is None or self._last_step_end is None:
+            return None
+        return self._last_step_end - self._first_step
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self._stop()
+            self._stop(pl_module)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._stop()
+        self._stop(pl_module)
 
     @property
     def median(self) -> float | None:

@@ -19,6 +19,8 @@ class SyntheticDataModule(InMemoryDataModule):
         seed: seed of the prototypes, labels and noise (same data for the same seed).
         batch_size, num_workers, pin_memory: as for the DataLoader.
         on_device: keep the tensors on the GPU when training there.
+        augment: batch augmentation as for MNIST (None: off), so that an experiment's
+            ``data.augment`` also applies to synthetic data in tests.
 
     Batches: images float32 (B, 1, 28, 28); labels int64 (B,) in 0..9.
     """
@@ -37,12 +39,14 @@ class SyntheticDataModule(InMemoryDataModule):
         num_workers: int = 0,
         pin_memory: bool = False,
         on_device: bool = True,
+        augment: dict | None = None,
     ) -> None:
         super().__init__(
             batch_size=batch_size,
             num_workers=num_workers,
             pin_memory=pin_memory,
             on_device=on_device,
+            augment=augment,
         )
         self.sizes = (num_train, num_val, num_test)
         self.noise = noise

@@ -1,0 +1,100 @@
+"""Run `python train.py experiment=speedrun` for N seeds; print accuracy and fitting time.
+
+python scripts/speedrun.py                      # seeds 1, 2, 3
+python scripts/speedrun.py --seeds 10 trainer=gpu
+python scripts/speedrun.py --seeds 3 -- trainer.max_epochs=8     # extra overrides
+
+Each seed is a fresh `python train.py experiment=speedrun seed=S` process (its run dir is
+<out>/seed_S). Per seed it prints the test accuracy of the final weights and the fitting
+time: wall seconds from the start of the first training step to the end of the last
+(`fit_time_s` in metrics.json; process start, data preparation and the final test are
+left out), plus the whole command's wall time. Then the means, and whether every seed
+reached --target. Exit status 0 when all did, 1 when one did not, 2 when a run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_seed(seed: int, out: Path, overrides: list[str]) -> dict:
+    """Train one seed in a fresh process; its metrics.json plus ``command_wall_s``."""
+    run_dir = out / f"seed_{seed}"
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "experiment=speedrun",
+        f"seed={seed}",
+        f"hydra.run.dir={run_dir}",
+        *overrides,
+    ]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        tail = proc.stderr.decode(errors="replace").strip().splitlines()[-5:]
+        raise RuntimeError(f"seed {seed} failed (exit {proc.returncode}): " + " | ".join(tail))
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    return {**metrics, "command_wall_s": wall}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3, help="run seeds 1..N (default 3)")
+    parser.add_argument("--target", type=float, default=0.99, help="test accuracy to reach")
+    parser.add_argument(
+        "--out", type=Path, help="folder of the run dirs (default outputs/speedrun/<time>)"
+    )
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every seed")
+    args = parser.parse_args(argv)
+    if args.seeds < 1:
+        parser.error(f"--seeds={args.seeds} must be at least 1")
+    out = args.out or ROOT / "outputs" / "speedrun" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    print(f"python train.py experiment=speedrun {' '.join(args.overrides)}  (runs in {out})")
+    print("| seed | test accuracy | fitting time (s) | epochs | whole command (s) |")
+    print("| --- | --- | --- | --- | --- |")
+    rows = []
+    for seed in range(1, args.seeds + 1):
+        try:
+            m = run_seed(seed, out, args.overrides)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        rows.append(m)
+        print(
+            f"| {seed} | {100 * m['test/acc']:.2f}% | {m['fit_time_s']:.1f} | {m['epochs']} "
+            f"| {m['command_wall_s']:.1f} |",
+            flush=True,
+        )
+    accs = [m["test/acc"] for m in rows]
+    fits = [m["fit_time_s"] for m in rows]
+    walls = [m["command_wall_s"] for m in rows]
+    print(
+        f"| mean | {100 * statistics.mean(accs):.2f}% | {statistics.mean(fits):.1f} | "
+        f"| {statistics.mean(walls):.1f} |"
+    )
+    reached = sum(a >= args.target for a in accs)
+    print(
+        f"{reached}/{len(accs)} seeds reached {100 * args.target:.1f}%; lowest "
+        f"{100 * min(accs):.2f}%; device {rows[0]['device']}, precision {rows[0]['precision']}"
+    )
+    summary = {
+        "runs": rows,
+        "mean_test_acc": statistics.mean(accs),
+        "mean_fit_s": statistics.mean(fits),
+    }
+    (out / "speedrun.json").write_text(json.dumps(summary, indent=2, default=str))
+    return 0 if reached == len(accs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

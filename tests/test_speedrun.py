@@ -1,0 +1,52 @@
+"""experiment=speedrun and scripts/speedrun.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, TINY_MODEL, compose_config
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("speedrun", ROOT / "scripts" / "speedrun.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_speedrun_recipe_composes_as_documented(tmp_path):
+    cfg = compose_config("train", ["experiment=speedrun"], tmp_path)
+    assert cfg.task_name == "speedrun"
+    assert cfg.data._target_ == "vit_mnist.data.MNISTDataModule"
+    # Two single-threaded processes on the CPU, 128 images per optimizer step.
+    assert cfg.trainer.strategy == "ddp" and cfg.trainer.accelerator == "cpu"
+    assert cfg.trainer.devices * cfg.data.batch_size == 128
+    assert cfg.callbacks.get("attention_maps") is None
+
+
+@pytest.mark.slow
+def test_speedrun_script_reports_every_seed(tmp_path, capsys):
+    speedrun = load_script()
+    overrides = ["data=synthetic", "trainer.max_epochs=1", *TINY_MODEL, "module.lr=3e-3"]
+    # A target nothing reaches: exit status 1, after every seed has run and been printed.
+    code = speedrun.main(["--seeds", "2", "--target", "1.01", "--out", str(tmp_path), *overrides])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "| 1 |" in out and "| 2 |" in out and "| mean |" in out
+    assert "0/2 seeds reached 101.0%" in out
+    summary = json.loads((tmp_path / "speedrun.json").read_text())
+    assert [r["seed"] for r in summary["runs"]] == [1, 2]
+    for run in summary["runs"]:
+        assert run["world_size"] == 2 and run["experiment"] == "speedrun"
+        assert 0 < run["fit_time_s"] < run["command_wall_s"]
+
+
+def test_speedrun_script_stops_on_a_failed_run(tmp_path, capsys):
+    speedrun = load_script()
+    assert speedrun.main(["--seeds", "1", "--out", str(tmp_path), "model.num_heads=3"]) == 2
+    assert "seed 1 failed (exit 2)" in capsys.readouterr().err
