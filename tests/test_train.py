@@ -97,7 +97,7 @@ def test_fused_attention_and_bf16_train(make_train_cfg):
     assert torch.isfinite(torch.tensor(metrics["test/loss"]))
 
 
-def test_precision_defaults_to_bf16_where_the_hardware_has_it(make_train_cfg):
+def test_precision_defaults_to_bf16_where_the_hardware_has_it(make_train_cfg, tmp_path):
     from vit_mnist.utils import has_native_bf16, resolve_precision
 
     cfg = make_train_cfg("trainer.max_epochs=1")
@@ -107,10 +107,10 @@ def test_precision_defaults_to_bf16_where_the_hardware_has_it(make_train_cfg):
     assert resolve_precision("auto", False) == expected
     assert resolve_precision("32-true", False) == "32-true"
     assert train(cfg)["precision"] == expected
-    assert (
-        train(make_train_cfg("trainer.max_epochs=1", "trainer.precision=32-true"))["precision"]
-        == "32-true"
+    fp32 = make_train_cfg(
+        "trainer.max_epochs=1", "trainer.precision=32-true", output_dir=tmp_path / "fp32"
     )
+    assert train(fp32)["precision"] == "32-true"
 
 
 def test_compile_keeps_plain_checkpoints(make_train_cfg, monkeypatch):

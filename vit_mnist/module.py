@@ -81,8 +81,9 @@ class ViTClassifier(L.LightningModule):
     Args:
         model: keyword arguments of ``VisionTransformer`` (``patch_size``, ``embed_dim``,
             ``depth``, ``num_heads``, ``mlp_ratio``, ...), plus ``compile``: True runs
-            training, validation and test through ``torch.compile(net)`` (compiled at the
-            first batch of each shape; the weights and checkpoints are the same).
+            training, validation and test through ``torch.compile(net, dynamic=True)``,
+            compiled before the first training step (``compile_time_s``, left out of the
+            fitting time); the weights and checkpoints are those of the plain model.
         lr: peak learning rate of AdamW.
         weight_decay: AdamW's decoupled weight decay, applied to weight matrices only
             (not to biases, norms, ``cls_token`` or ``pos_embed``).
