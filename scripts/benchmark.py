@@ -244,7 +244,7 @@ def markdown(results, args, cuda: bool, warmups: dict) -> str:
         "",
         f"Hardware: {hardware_line(cuda)}.",
         "",
-        f"Batch {args.batch}, AdamW, median of {args.reps} repetitions of {args.steps} "
+        f"Batch {args.batch}, fused AdamW, median of {args.reps} repetitions of {args.steps} "
         "training steps after warm-up, implementations interleaved in one process. "
         "Ratio: images/s over the faster of timm and vit-pytorch. Memory: CUDA peak allocated "
         "per step; CPU: activations saved for backward.",
