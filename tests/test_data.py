@@ -168,3 +168,21 @@ def test_fast_and_plain_torchvision_paths_give_the_same_batches(mnist_dir):
     assert torch.equal(yf, yp) and torch.allclose(xf, xp, atol=1e-6)
     pixels, labels = plain.test_pixels(5)
     assert torch.allclose(pixels, fast.test_pixels(5)[0], atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_device_keeps_the_dataset_on_the_gpu(make_train_cfg):
+    from hydra.utils import instantiate
+
+    from vit_mnist.train import train
+
+    cfg = make_train_cfg("trainer.accelerator=gpu", "trainer.max_epochs=1")
+    metrics = train(cfg)
+    assert metrics["device"].startswith("cuda")
+    dm = instantiate(cfg.data)
+    dm.trainer = type("T", (), {"strategy": type("S", (), {"root_device": torch.device("cuda")})})()
+    dm.setup()
+    assert dm.data_train.tensors[0].device.type == "cuda"
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.device.type == "cuda" and y.device.type == "cuda" and x.dtype == torch.float32
