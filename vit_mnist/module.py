@@ -10,7 +10,6 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from torch import nn
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
@@ -153,8 +152,9 @@ class ViTClassifier(L.LightningModule):
 
         Runs the compiled model once in training mode (forward and backward) and once in
         evaluation mode, on a zero batch of the training batch size, under the trainer's
-        precision and the grad mode Lightning evaluates in. The gradients are dropped and
-        the random-number state is restored, so the run is the same as without it.
+        precision and the grad mode of Lightning's validation during fit. The gradients
+        are dropped and the random-number state is restored, so the run is the same as
+        without it.
         """
         trainer = self.trainer
         batch = getattr(trainer.datamodule, "batch_size", 2) if trainer.datamodule else 2
@@ -168,12 +168,10 @@ class ViTClassifier(L.LightningModule):
         with trainer.precision_plugin.forward_context():
             self._compiled(x).float().sum().backward()
         self.net.zero_grad(set_to_none=True)
-        gloo = dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
-        # Lightning evaluates under inference_mode, or no_grad with gloo (_no_grad_context).
-        inference = trainer.fit_loop.epoch_loop.val_loop.inference_mode
-        grad_off = torch.no_grad if gloo or not inference else torch.inference_mode
+        # Validation inside fit runs under no_grad: Lightning builds the fit loop's
+        # validation loop with inference_mode=False.
         self.net.eval()
-        with grad_off(), trainer.precision_plugin.forward_context():
+        with torch.no_grad(), trainer.precision_plugin.forward_context():
             self._compiled(x)
         self.net.train()
         torch.set_rng_state(cpu_rng)

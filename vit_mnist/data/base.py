@@ -135,15 +135,11 @@ class InMemoryDataModule(L.LightningDataModule):
         self.data_test: Dataset | None = None
         self.source: str | None = None
 
-    def _device_resident(self) -> bool:
-        device = self.trainer.strategy.root_device if self.trainer is not None else None
-        return bool(self.on_device and device is not None and device.type == "cuda")
-
     def move_to_device(self) -> None:
         """Move the tensor datasets to the trainer's GPU when ``on_device`` says so."""
-        if not self._device_resident():
+        device = self.trainer.strategy.root_device if self.trainer is not None else None
+        if not (self.on_device and device is not None and device.type == "cuda"):
             return
-        device = self.trainer.strategy.root_device
         for data in (self.data_train, self.data_val, self.data_test):
             if isinstance(data, ImageTensorDataset):
                 data.to(device)

@@ -103,10 +103,9 @@ class MNISTDataModule(InMemoryDataModule):
         if self.source is None:  # prepare_data ran in another process
             self.source = read_source(self.data_dir, self.folder)
         dataset = getattr(torchvision.datasets, self.folder)
-        if self.fast:
-            train = dataset(self.data_dir, train=True, download=False)
-            test = dataset(self.data_dir, train=False, download=False)
-        else:
+        # The fast path reads the raw uint8 tensors (.data) and needs no per-image transform.
+        per_image = None
+        if not self.fast:
             per_image = v2.Compose(
                 [
                     v2.ToImage(),
@@ -114,8 +113,8 @@ class MNISTDataModule(InMemoryDataModule):
                     v2.Normalize(mean=[self.mean], std=[self.std]),
                 ]
             )
-            train = dataset(self.data_dir, train=True, download=False, transform=per_image)
-            test = dataset(self.data_dir, train=False, download=False, transform=per_image)
+        train = dataset(self.data_dir, train=True, download=False, transform=per_image)
+        test = dataset(self.data_dir, train=False, download=False, transform=per_image)
         train_idx, val_idx = self.split(len(train.targets), self.val_size, self.split_seed)
         if self.fast:
             x, y = train.data.unsqueeze(1), train.targets  # (N, 1, 28, 28) uint8
