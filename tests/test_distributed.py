@@ -16,6 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.conftest import CONFIG_DIR, ROOT, TINY_MODEL, compose_config
 from vit_mnist.evaluate import evaluate, read_checkpoint
+from vit_mnist.utils import pin_to_cores
 
 TINY = ["data=synthetic", "trainer.max_epochs=2", "~callbacks.progress_bar", *TINY_MODEL]
 
@@ -51,6 +52,13 @@ def test_ddp_on_two_cpu_processes(tmp_path):
         f"hydra.run.dir={run_dir}",
     )
     assert result.returncode == 0, result.stderr[-4000:]
+    if len(os.sched_getaffinity(0)) >= 2:
+        train_log = (run_dir / "train.log").read_text()
+        cores = sorted(os.sched_getaffinity(0))
+        share = len(cores) // 2
+        for rank in (0, 1):
+            mine = cores[rank * share : (rank + 1) * share]
+            assert f"DDP process {rank} pinned to CPU cores {mine}" in train_log, train_log[-3000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["world_size"] == 2
     assert metrics["effective_batch_size"] == 2 * 64
@@ -76,6 +84,25 @@ def test_ddp_on_two_cpu_processes(tmp_path):
     single = evaluate(cfg)
     assert single["test/acc"] == pytest.approx(metrics["test/acc"], abs=1e-7)
     assert single["test/loss"] == pytest.approx(metrics["test/loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("cores", "rank", "world", "expected"),
+    [
+        ({0, 1}, 1, 2, [1]),
+        ({0, 1, 2, 3}, 1, 2, [2, 3]),
+        ({4, 5, 6}, 0, 2, [4]),  # a taskset of the user's is kept; the odd core stays free
+        ({4, 5, 6}, 1, 2, [5]),
+        ({0}, 1, 2, None),  # fewer cores than processes: leave the scheduler alone
+        ({0, 1}, 0, 1, None),  # one process: nothing to share
+    ],
+)
+def test_pin_to_cores_gives_each_process_its_own_slice(monkeypatch, cores, rank, world, expected):
+    pinned = []
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, mask: pinned.append(list(mask)))
+    assert pin_to_cores(rank, world) == expected
+    assert pinned == ([expected] if expected else [])
 
 
 @pytest.mark.slow

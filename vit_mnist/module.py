@@ -16,6 +16,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vit_mnist.errors import ConfigError, NonFiniteLossError
 from vit_mnist.models.vit import VisionTransformer
+from vit_mnist.utils import pin_to_cores
 
 RUN_INFO_KEY = "vit_mnist"
 log = logging.getLogger(__name__)
@@ -141,6 +142,11 @@ class ViTClassifier(L.LightningModule):
         return self.net(x) if self._compiled is None else self._compiled(x)
 
     def setup(self, stage: str) -> None:
+        trainer = self.trainer
+        if trainer.world_size > 1 and trainer.strategy.root_device.type == "cpu":
+            cores = pin_to_cores(trainer.local_rank, trainer.num_devices)
+            if cores is not None:
+                log.info("DDP process %d pinned to CPU cores %s", trainer.local_rank, cores)
         if self._compile and self._compiled is None:
             # Kept out of the module tree (object.__setattr__), so the state dict and the
             # checkpoints keep the plain `net.*` names. dynamic=True: one graph serves every
@@ -200,7 +206,8 @@ class ViTClassifier(L.LightningModule):
                 f"{self.current_epoch}) with learning rate {lr:.3g}; stopped, and the last "
                 "good checkpoint is kept. Lower module.lr or set trainer.gradient_clip_val=1.0"
             )
-        self.train_acc(logits, y)
+        # update(), not forward(): the per-batch accuracy would be computed and thrown away.
+        self.train_acc.update(logits, y)
         self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
         return loss
