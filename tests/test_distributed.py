@@ -7,8 +7,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -16,6 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.conftest import CONFIG_DIR, ROOT, TINY_MODEL, compose_config
 from vit_mnist.evaluate import evaluate, read_checkpoint
+from vit_mnist.module import ViTClassifier
 from vit_mnist.utils import pin_to_cores
 
 TINY = ["data=synthetic", "trainer.max_epochs=2", "~callbacks.progress_bar", *TINY_MODEL]
@@ -52,7 +55,7 @@ def test_ddp_on_two_cpu_processes(tmp_path):
         f"hydra.run.dir={run_dir}",
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    if len(os.sched_getaffinity(0)) >= 2:
+    if len(os.sched_getaffinity(0)) == os.cpu_count() >= 2:  # pin_to_cores' conditions
         train_log = (run_dir / "train.log").read_text()
         cores = sorted(os.sched_getaffinity(0))
         share = len(cores) // 2
@@ -87,22 +90,48 @@ def test_ddp_on_two_cpu_processes(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("cores", "rank", "world", "expected"),
+    ("cores", "cpu_count", "rank", "world", "expected"),
     [
-        ({0, 1}, 1, 2, [1]),
-        ({0, 1, 2, 3}, 1, 2, [2, 3]),
-        ({4, 5, 6}, 0, 2, [4]),  # a taskset of the user's is kept; the odd core stays free
-        ({4, 5, 6}, 1, 2, [5]),
-        ({0}, 1, 2, None),  # fewer cores than processes: leave the scheduler alone
-        ({0, 1}, 0, 1, None),  # one process: nothing to share
+        ({0, 1}, 2, 1, 2, [1]),
+        ({0, 1, 2, 3}, 4, 1, 2, [2, 3]),
+        ({0, 1, 2}, 3, 1, 2, [1]),  # the odd core stays free
+        ({4, 5, 6, 7}, 8, 0, 2, None),  # cores already chosen (taskset, SLURM): left alone
+        ({0}, 1, 1, 2, None),  # fewer cores than processes
+        ({0, 1}, 2, 0, 1, None),  # one process: nothing to share
     ],
 )
-def test_pin_to_cores_gives_each_process_its_own_slice(monkeypatch, cores, rank, world, expected):
+def test_pin_to_cores_gives_each_process_its_own_slice(
+    monkeypatch, cores, cpu_count, rank, world, expected
+):
     pinned = []
+    monkeypatch.setattr(os, "cpu_count", lambda: cpu_count)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
     monkeypatch.setattr(os, "sched_setaffinity", lambda pid, mask: pinned.append(list(mask)))
     assert pin_to_cores(rank, world) == expected
     assert pinned == ([expected] if expected else [])
+
+
+def test_a_cpu_ddp_process_is_pinned_at_setup_and_unpinned_at_teardown(monkeypatch):
+    mask = {0, 1}
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(mask))
+
+    def set_mask(pid, cores):
+        mask.clear()
+        mask.update(cores)
+
+    monkeypatch.setattr(os, "sched_setaffinity", set_mask)
+    module = ViTClassifier(model={"embed_dim": 32, "depth": 1, "num_heads": 2, "patch_size": 7})
+    module._trainer = SimpleNamespace(
+        world_size=2,
+        local_rank=0,
+        num_devices=2,
+        strategy=SimpleNamespace(root_device=torch.device("cpu")),
+    )
+    module.setup("fit")
+    assert mask == {0}
+    module.teardown("fit")
+    assert mask == {0, 1}  # a later fit in this process launches its processes on both
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import time
 from typing import Any
@@ -136,6 +137,7 @@ class ViTClassifier(L.LightningModule):
         # Filled by train(): data config, precision, seed; stored in every checkpoint.
         self.run_info: dict[str, Any] = {}
         self._resumed_val_acc_best: float | None = None
+        self._cores_before_pinning: set[int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, 1, 28, 28) float -> logits (B, num_classes)."""
@@ -144,14 +146,23 @@ class ViTClassifier(L.LightningModule):
     def setup(self, stage: str) -> None:
         trainer = self.trainer
         if trainer.world_size > 1 and trainer.strategy.root_device.type == "cpu":
+            before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
             cores = pin_to_cores(trainer.local_rank, trainer.num_devices)
             if cores is not None:
+                self._cores_before_pinning = before
                 log.info("DDP process %d pinned to CPU cores %s", trainer.local_rank, cores)
         if self._compile and self._compiled is None:
             # Kept out of the module tree (object.__setattr__), so the state dict and the
             # checkpoints keep the plain `net.*` names. dynamic=True: one graph serves every
             # batch size (an epoch's last, smaller batch and the evaluation batches).
             object.__setattr__(self, "_compiled", torch.compile(self.net, dynamic=True))
+
+    def teardown(self, stage: str) -> None:
+        # Give rank 0 its cores back: a later fit in this process (a notebook, a test)
+        # launches its DDP processes from here, and they would inherit a single core.
+        if self._cores_before_pinning is not None:
+            os.sched_setaffinity(0, self._cores_before_pinning)
+            self._cores_before_pinning = None
 
     def _warm_up_compiled(self) -> None:
         """Compile before the first training step, so the fitting time leaves it out.
