@@ -23,6 +23,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from vit_mnist.utils import write_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         "mean_test_acc": statistics.mean(accs),
         "mean_fit_s": statistics.mean(fits),
     }
-    (out / "speedrun.json").write_text(json.dumps(summary, indent=2, default=str))
+    write_metrics(out / "speedrun.json", summary)  # atomic: never left half-written
     return 0 if reached == len(accs) else 1
 
 
