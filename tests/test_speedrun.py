@@ -28,9 +28,9 @@ def test_speedrun_recipe_composes_as_documented(tmp_path):
     assert cfg.trainer.devices * cfg.data.batch_size == 128
     assert cfg.callbacks.get("attention_maps") is None
     # One validation, after the last epoch, wherever the user moves the last epoch.
-    assert cfg.trainer.check_val_every_n_epoch == cfg.trainer.max_epochs == 15
-    longer = compose_config("train", ["experiment=speedrun", "trainer.max_epochs=17"], tmp_path)
-    assert longer.trainer.check_val_every_n_epoch == 17
+    assert cfg.trainer.check_val_every_n_epoch == cfg.trainer.max_epochs == 18
+    longer = compose_config("train", ["experiment=speedrun", "trainer.max_epochs=20"], tmp_path)
+    assert longer.trainer.check_val_every_n_epoch == 20
 
 
 @pytest.mark.slow
