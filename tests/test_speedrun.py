@@ -27,6 +27,7 @@ def test_speedrun_recipe_composes_as_documented(tmp_path):
     assert cfg.trainer.strategy == "ddp" and cfg.trainer.accelerator == "cpu"
     assert cfg.trainer.devices * cfg.data.batch_size == 128
     assert cfg.callbacks.get("attention_maps") is None
+    assert cfg.model.compile is True
     # One validation, after the last epoch, wherever the user moves the last epoch.
     assert cfg.trainer.check_val_every_n_epoch == cfg.trainer.max_epochs == 18
     longer = compose_config("train", ["experiment=speedrun", "trainer.max_epochs=20"], tmp_path)
@@ -36,7 +37,14 @@ def test_speedrun_recipe_composes_as_documented(tmp_path):
 @pytest.mark.slow
 def test_speedrun_script_reports_every_seed(tmp_path, capsys):
     speedrun = load_script()
-    overrides = ["data=synthetic", "trainer.max_epochs=1", *TINY_MODEL, "module.lr=3e-3"]
+    # Eager: inductor's first compile would add half a minute to the suite.
+    overrides = [
+        "data=synthetic",
+        "trainer.max_epochs=1",
+        *TINY_MODEL,
+        "model.compile=false",
+        "module.lr=3e-3",
+    ]
     # A target nothing reaches: exit status 1, after every seed has run and been printed.
     code = speedrun.main(["--seeds", "2", "--target", "1.01", "--out", str(tmp_path), *overrides])
     out = capsys.readouterr().out

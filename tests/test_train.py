@@ -10,9 +10,9 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import compose_config
-from vit_mnist.errors import CheckpointError
+from vit_mnist.errors import CheckpointError, ConfigError
 from vit_mnist.evaluate import evaluate, read_checkpoint
-from vit_mnist.module import ViTClassifier
+from vit_mnist.module import ViTClassifier, resolve_compile_mode
 from vit_mnist.train import train
 
 SCALARS = {
@@ -119,13 +119,14 @@ def test_compile_keeps_plain_checkpoints(make_train_cfg, monkeypatch):
 
     def fast_compile(model, **kwargs):
         # The eager backend checks the wiring in a second instead of inductor's minute.
-        compiled.append(model)
+        compiled.append((model, kwargs))
         return real_compile(model, backend="eager")
 
     monkeypatch.setattr(torch, "compile", fast_compile)
     cfg = make_train_cfg("model.compile=true", "trainer.max_epochs=1")
     metrics = train(cfg)
-    assert len(compiled) == 1 and compiled[0].__class__.__name__ == "VisionTransformer"
+    assert len(compiled) == 1 and compiled[0][0].__class__.__name__ == "VisionTransformer"
+    assert compiled[0][1] == {"dynamic": True, "mode": "default"}
     state = read_checkpoint(metrics["best_ckpt"])["state_dict"]
     assert state and all(k.startswith("net.") for k in state)
     # The checkpoint loads into the plain model, and evaluates to the same accuracy.
@@ -135,6 +136,26 @@ def test_compile_keeps_plain_checkpoints(make_train_cfg, monkeypatch):
     assert model.hparams.model["compile"] is True
     with pytest.raises(Exception, match="model.compile='yes'"):
         train(make_train_cfg("model.compile=yes"))
+
+
+@pytest.mark.parametrize(
+    ("value", "mode"),
+    [
+        (False, None),
+        (None, None),
+        (True, "default"),
+        ("default", "default"),
+        ("max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs"),
+    ],
+)
+def test_compile_mode(value, mode):
+    assert resolve_compile_mode(value) == mode
+
+
+@pytest.mark.parametrize("value", ["yes", "max_autotune", 1, 0.0])
+def test_compile_mode_rejects(value):
+    with pytest.raises(ConfigError, match=f"model.compile={value!r} must be true, false or a"):
+        resolve_compile_mode(value)
 
 
 @pytest.mark.real_data

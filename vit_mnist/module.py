@@ -44,6 +44,30 @@ def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_rati
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def resolve_compile_mode(value: Any) -> str | None:
+    """``model.compile`` -> the ``mode`` for :func:`torch.compile`, or None for no compiling.
+
+    ``false`` turns compiling off, ``true`` means torch.compile's ``"default"`` mode, and
+    a mode name (``default``, ``max-autotune-no-cudagraphs``, ...; see
+    ``torch._inductor.list_mode_options()``) is passed on as it is.
+
+    Raises:
+        ConfigError: anything else, naming the value and the choices.
+    """
+    if value is False or value is None:
+        return None
+    if value is True:
+        return "default"
+    from torch._inductor import list_mode_options  # imported here: it loads the compiler
+
+    modes = list(list_mode_options())
+    if isinstance(value, str) and value in modes:
+        return value
+    raise ConfigError(
+        f"model.compile={value!r} must be true, false or a torch.compile mode: {', '.join(modes)}"
+    )
+
+
 def check_module_args(
     *,
     lr: float,
@@ -81,8 +105,9 @@ class ViTClassifier(L.LightningModule):
 
     Args:
         model: keyword arguments of ``VisionTransformer`` (``patch_size``, ``embed_dim``,
-            ``depth``, ``num_heads``, ``mlp_ratio``, ...), plus ``compile``: True runs
-            training, validation and test through ``torch.compile(net, dynamic=True)``,
+            ``depth``, ``num_heads``, ``mlp_ratio``, ...), plus ``compile``: True (or a
+            torch.compile mode name, see :func:`resolve_compile_mode`) runs training,
+            validation and test through ``torch.compile(net, dynamic=True, mode=...)``,
             compiled before the first training step (``compile_time_s``, left out of the
             fitting time); the weights and checkpoints are those of the plain model.
         lr: peak learning rate of AdamW.
@@ -123,7 +148,7 @@ class ViTClassifier(L.LightningModule):
         )
         self.save_hyperparameters()
         self.net = VisionTransformer(**{k: v for k, v in model.items() if k != "compile"})
-        self._compile = bool(model.get("compile", False))
+        self._compile_mode = resolve_compile_mode(model.get("compile", False))
         self._compiled: nn.Module | None = None
         self.compile_time_s: float | None = None
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
@@ -151,11 +176,12 @@ class ViTClassifier(L.LightningModule):
             if cores is not None:
                 self._cores_before_pinning = before
                 log.info("DDP process %d pinned to CPU cores %s", trainer.local_rank, cores)
-        if self._compile and self._compiled is None:
+        if self._compile_mode is not None and self._compiled is None:
             # Kept out of the module tree (object.__setattr__), so the state dict and the
             # checkpoints keep the plain `net.*` names. dynamic=True: one graph serves every
             # batch size (an epoch's last, smaller batch and the evaluation batches).
-            object.__setattr__(self, "_compiled", torch.compile(self.net, dynamic=True))
+            compiled = torch.compile(self.net, dynamic=True, mode=self._compile_mode)
+            object.__setattr__(self, "_compiled", compiled)
 
     def teardown(self, stage: str) -> None:
         # Give rank 0 its cores back: a later fit in this process (a notebook, a test)

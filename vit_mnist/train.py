@@ -25,7 +25,7 @@ from vit_mnist.data.sources import MNIST_MD5, raw_folder
 from vit_mnist.errors import ConfigError
 from vit_mnist.evaluate import read_checkpoint
 from vit_mnist.models.vit import check_vit_args
-from vit_mnist.module import ViTClassifier, check_module_args
+from vit_mnist.module import ViTClassifier, check_module_args, resolve_compile_mode
 from vit_mnist.utils import (
     describe_device,
     exit_on_user_error,
@@ -119,9 +119,7 @@ def check_config(cfg: DictConfig) -> None:
         ConfigError: one line naming the key, the value and what would be valid.
     """
     model = _resolved(cfg.model)
-    compile_ = model.pop("compile", False)
-    if not isinstance(compile_, bool):
-        raise ConfigError(f"model.compile={compile_!r} must be true or false")
+    resolve_compile_mode(model.pop("compile", False))
     check_vit_args(**model)
     data = cfg.data
     _positive_int("data.batch_size", data.get("batch_size"))
