@@ -138,6 +138,15 @@ def test_compile_keeps_plain_checkpoints(make_train_cfg, monkeypatch):
         train(make_train_cfg("model.compile=yes"))
 
 
+def test_compile_on_the_cpu_needs_a_cpp_compiler(make_train_cfg):
+    import torch._inductor.config as inductor_config
+
+    cfg = make_train_cfg("model.compile=true", "trainer.accelerator=cpu")
+    with inductor_config.patch({"cpp.cxx": (None, "/nonexistent/g++")}):
+        with pytest.raises(ConfigError, match=r"model.compile=true on the CPU needs a C\+\+"):
+            train(cfg)
+
+
 @pytest.mark.parametrize(
     ("value", "mode"),
     [

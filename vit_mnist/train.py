@@ -74,6 +74,21 @@ def _check_device(trainer_cfg: DictConfig) -> None:
         )
 
 
+def _check_cpp_compiler(compile_value: str) -> None:
+    """torch.compile on the CPU builds C++ kernels: fail now, not after loading the data."""
+    from torch._inductor.cpp_builder import get_cpp_compiler  # loads the compiler package
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler as e:
+        raise ConfigError(
+            f"model.compile={compile_value} on the CPU needs a C++ compiler and none works here "
+            f"({e}); install one (Debian/Ubuntu: apt-get install g++), point CXX at one, "
+            "or set model.compile=false"
+        ) from None
+
+
 def _check_launch(trainer_cfg: DictConfig) -> None:
     """DDP inside a local Hydra multirun would re-run the whole sweep in every process.
 
@@ -119,7 +134,11 @@ def check_config(cfg: DictConfig) -> None:
         ConfigError: one line naming the key, the value and what would be valid.
     """
     model = _resolved(cfg.model)
-    resolve_compile_mode(model.pop("compile", False))
+    compile_ = model.pop("compile", False)
+    if resolve_compile_mode(compile_) and not uses_cuda(
+        str(cfg.trainer.get("accelerator", "auto"))
+    ):
+        _check_cpp_compiler("true" if compile_ is True else str(compile_))
     check_vit_args(**model)
     data = cfg.data
     _positive_int("data.batch_size", data.get("batch_size"))
