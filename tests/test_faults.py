@@ -91,7 +91,9 @@ def test_sigkill_mid_epoch_then_resume_latest_finishes(tmp_path):
 @pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 1), (signal.SIGTERM, 143)])
 def test_interrupt_saves_last_and_prints_resume_command(tmp_path, sig, status):
     run_dir = tmp_path / "run"
-    proc = start(run_dir, tmp_path)
+    # 30 epochs, not 3: on a busy machine this process was once starved long enough for
+    # the 3-epoch run to finish (exit 0) before the signal was sent.
+    proc = start(run_dir, tmp_path, "trainer.max_epochs=30")
     wait_for_step(run_dir / "checkpoints" / "last.ckpt", proc, 10)
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=120)
