@@ -42,6 +42,9 @@ def start(run_dir: Path, log_dir: Path, *overrides: str) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        # A shell starts background jobs with SIGINT ignored, and the child would inherit
+        # that (Python then never raises KeyboardInterrupt): give it Ctrl-C's default.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
@@ -91,9 +94,7 @@ def test_sigkill_mid_epoch_then_resume_latest_finishes(tmp_path):
 @pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 1), (signal.SIGTERM, 143)])
 def test_interrupt_saves_last_and_prints_resume_command(tmp_path, sig, status):
     run_dir = tmp_path / "run"
-    # 30 epochs, not 3: on a busy machine this process was once starved long enough for
-    # the 3-epoch run to finish (exit 0) before the signal was sent.
-    proc = start(run_dir, tmp_path, "trainer.max_epochs=30")
+    proc = start(run_dir, tmp_path)
     wait_for_step(run_dir / "checkpoints" / "last.ckpt", proc, 10)
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=120)
