@@ -21,7 +21,7 @@ def textbook_mha(attn: MultiHeadSelfAttention, x: torch.Tensor, causal: bool) ->
 
         def proj(j: int, i: int = i) -> torch.Tensor:
             rows = slice(j * d + i * dk, j * d + (i + 1) * dk)
-            return x @ w[rows].T + b[rows]
+            return x @ w[rows].T + (0.0 if b is None else b[rows])
 
         q, k, v = proj(0), proj(1), proj(2)
         scores = q @ k.transpose(-2, -1) / math.sqrt(dk)
@@ -41,6 +41,27 @@ def test_matches_textbook_definition(impl, causal):
     attn = MultiHeadSelfAttention(embed_dim=24, num_heads=3, causal=causal, impl=impl).eval()
     x = torch.randn(2, 7, 24)
     torch.testing.assert_close(attn(x), textbook_mha(attn, x, causal), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qkv_bias", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("impl", ["explicit", "fused"])
+def test_forward_cls_is_the_first_row_of_forward(impl, causal, qkv_bias):
+    torch.manual_seed(0)
+    attn = MultiHeadSelfAttention(
+        embed_dim=24, num_heads=3, causal=causal, impl=impl, qkv_bias=qkv_bias
+    )
+    x = torch.randn(2, 7, 24, requires_grad=True)
+    full, cls = attn(x)[:, :1], attn.forward_cls(x)
+    assert cls.shape == (2, 1, 24)
+    torch.testing.assert_close(cls, full, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(cls, textbook_mha(attn, x, causal)[:, :1], atol=1e-5, rtol=1e-5)
+    g_full = torch.autograd.grad(full.square().sum(), [x, attn.qkv.weight])
+    g_cls = torch.autograd.grad(cls.square().sum(), [x, attn.qkv.weight])
+    for a, b in zip(g_cls, g_full, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    if causal:  # the CLS token then sees only itself: the other tokens cannot move it
+        assert g_cls[0][:, 1:].abs().max() == 0
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -147,3 +168,71 @@ def test_bf16_explicit_softmax_is_float32_and_matches_fused():
     # Both round q, k, v and the weights to bf16 (8 significant bits): equal to a few ulp.
     torch.testing.assert_close(out.float(), out_fused.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.float(), explicit(x), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("t_q", [1, 7])
+def test_explicit_training_path_backward_passes_gradcheck(t_q, causal):
+    from vit_mnist.models.attention import _ExplicitAttention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, t_q, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 3, 7, 4, dtype=torch.float64, generator=g) for _ in range(2))
+    k.requires_grad_(), v.requires_grad_()
+    # Non-contiguous inputs, as the module passes them (views of the qkv projection).
+    q_t, k_t, v_t = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: _ExplicitAttention.apply(q, k, v, 0.5, causal), (q_t, k_t, v_t)
+    )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_explicit_training_path_matches_autograd_of_the_textbook_steps(causal, monkeypatch):
+    from vit_mnist.models import attention
+
+    calls = []
+    apply = attention._ExplicitAttention.apply
+    monkeypatch.setattr(
+        attention._ExplicitAttention, "apply", lambda *a: calls.append(1) or apply(*a)
+    )
+    torch.manual_seed(0)
+    attn = MultiHeadSelfAttention(embed_dim=32, num_heads=4, causal=causal)
+    x = torch.randn(3, 50, 32, requires_grad=True)
+    fast = attn(x)  # weights not asked for: the hand-written backward
+    assert calls == [1]
+    with torch.no_grad():
+        attn(x)  # no backward to follow: the step-by-step path
+    assert calls == [1]
+    slow, _ = attn(x, need_weights=True)  # autograd through every step
+    torch.testing.assert_close(fast, slow, atol=1e-6, rtol=1e-5)
+    params = [x, attn.qkv.weight, attn.qkv.bias, attn.proj.weight]
+    for a, b in zip(
+        torch.autograd.grad(fast.square().sum(), params),
+        torch.autograd.grad(slow.square().sum(), params),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_explicit_training_path_under_bf16_autocast_matches_float32():
+    torch.manual_seed(0)
+    attn = MultiHeadSelfAttention(embed_dim=64, num_heads=4)
+    x = torch.randn(4, 50, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attn(x)
+    assert out.dtype == torch.bfloat16
+    (grad_bf16,) = torch.autograd.grad(out.float().square().sum(), [attn.qkv.weight])
+    ref = attn(x)
+    (grad_ref,) = torch.autograd.grad(ref.square().sum(), [attn.qkv.weight])
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    # bf16 keeps 8 significant bits: the weight gradient within a few percent of its scale.
+    assert (grad_bf16 - grad_ref).abs().max() < 0.03 * grad_ref.abs().max()
+
+
+def test_attention_dropout_in_training_drops_weights():
+    torch.manual_seed(0)
+    attn = MultiHeadSelfAttention(embed_dim=16, num_heads=2, attn_dropout=0.5).train()
+    x = torch.randn(2, 9, 16)
+    assert not torch.equal(attn(x), attn(x))  # a fresh dropout mask per call
+    attn.eval()
+    torch.testing.assert_close(attn(x), attn(x, need_weights=True)[0])

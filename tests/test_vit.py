@@ -33,6 +33,29 @@ def test_forward_with_attention(impl, causal):
         torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 17))
 
 
+@pytest.mark.parametrize("qkv_bias", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("impl", ["explicit", "fused"])
+def test_forward_runs_the_last_block_for_the_cls_token_with_the_same_numbers(
+    impl, causal, qkv_bias
+):
+    torch.manual_seed(0)
+    model = VisionTransformer(
+        patch_size=7, attention_impl=impl, causal=causal, qkv_bias=qkv_bias, **TINY
+    )
+    x = torch.randn(3, 1, 28, 28)
+    fast = model(x)  # the last block for the CLS token only
+    full = model.forward_head(model.forward_features(x))  # every token through every block
+    torch.testing.assert_close(fast, full, atol=1e-6, rtol=1e-5)
+    params = list(model.parameters())
+    for a, b in zip(
+        torch.autograd.grad(fast.square().sum(), params),
+        torch.autograd.grad(full.square().sum(), params),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
 def test_fused_and_explicit_models_agree():
     torch.manual_seed(0)
     explicit = VisionTransformer(patch_size=4, **TINY)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from vit_mnist.errors import ConfigError
 
@@ -59,6 +60,76 @@ def check_attention_args(*, embed_dim: int, num_heads: int, impl: str = "explici
         )
     if impl not in ATTENTION_IMPLS:
         raise ConfigError(f"attention_impl={impl!r} is unknown; use one of {list(ATTENTION_IMPLS)}")
+
+
+class _ExplicitAttention(torch.autograd.Function):
+    """softmax(Q K^T * scale) V with a hand-written backward; the explicit path for training.
+
+    The forward is the explicit path's arithmetic, with the scale applied inside the
+    Q K^T product (its alpha) instead of to Q: no pass of its own, and for a power-of-2
+    sqrt(d_k) the same bits. The backward is the
+    gradient of softmax attention written out (P the weights, dO the output's gradient):
+
+        dV = P^T dO,   dP = dO V^T,   dS = P * (dP - rowsum(dP * P)),
+        dQ = scale * dS K,   dK = scale * dS^T Q
+
+    It gives autograd's numbers (to float32 rounding, see tests/test_attention.py) with
+    fewer passes over memory: it saves the weights once, in the inputs' dtype, so that under
+    bf16 autocast neither the float32 weights nor float32 copies of their gradient are
+    made; it makes Q, K and V contiguous once instead of once per product; and the scale
+    rides in the matrix products instead of a pass of its own.
+
+    Shapes: q (B, h, T_q, d), k and v (B, h, T_k, d) -> (B, h, T_q, d), all one dtype.
+    Query i is token i, for the causal mask.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, causal: bool):  # noqa: D102
+        b, h, t_q, d = q.shape
+        t_k = k.shape[2]
+        q = q.reshape(b * h, t_q, d)  # one copy each: they are strided views of qkv
+        k = k.reshape(b * h, t_k, d)
+        v = v.reshape(b * h, t_k, d)
+        scores = torch.baddbmm(
+            q.new_empty(b * h, t_q, t_k), q, k.transpose(1, 2), beta=0, alpha=scale
+        )  # (B*h, T_q, T_k)
+        if causal:
+            above = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).triu(1)
+            scores.masked_fill_(above, float("-inf"))
+        if scores.dtype in (torch.bfloat16, torch.float16):
+            # As in the explicit path: the softmax in float32, rounded back for @ V.
+            weights = torch.softmax(scores.float(), dim=-1).to(scores.dtype)
+        else:
+            weights = torch.softmax(scores, dim=-1)
+        ctx.save_for_backward(q, k, v, weights)
+        ctx.scale = scale
+        return torch.bmm(weights, v).view(b, h, t_q, d)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):  # noqa: D102
+        q, k, v, weights = ctx.saved_tensors
+        bh, t_q, d = q.shape
+        t_k = k.shape[1]
+        b = grad_out.shape[0]
+        grad_out = grad_out.reshape(bh, t_q, d)
+        grad_v = torch.bmm(weights.transpose(1, 2), grad_out)
+        grad_weights = torch.bmm(grad_out, v.transpose(1, 2))
+        # The softmax's own backward kernel: P * (dP - rowsum(dP * P)) in one pass, with
+        # float32 arithmetic inside for bfloat16 inputs.
+        grad_scores = torch._softmax_backward_data(grad_weights, weights, -1, weights.dtype)
+        scale = ctx.scale
+        grad_q = torch.baddbmm(q.new_empty(bh, t_q, d), grad_scores, k, beta=0, alpha=scale)
+        grad_k = torch.baddbmm(
+            q.new_empty(bh, t_k, d), grad_scores.transpose(1, 2), q, beta=0, alpha=scale
+        )
+        return (
+            grad_q.view(b, -1, t_q, d),
+            grad_k.view(b, -1, t_k, d),
+            grad_v.view(b, -1, t_k, d),
+            None,
+            None,
+        )
 
 
 class MultiHeadSelfAttention(nn.Module):
@@ -123,7 +194,7 @@ class MultiHeadSelfAttention(nn.Module):
         qkv = self.qkv(x)  # (B, T, 3*D)
         q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, h=self.num_heads)
         if need_weights:
-            out, weights = self._explicit(q, k, v)
+            out, weights = self._explicit_weights(q, k, v)
         elif self._attend is not None:
             out, weights = self._attend(q, k, v)
         else:  # auto: one dict lookup per call, for a model that moves between devices
@@ -132,15 +203,52 @@ class MultiHeadSelfAttention(nn.Module):
         out = self.proj_dropout(self.proj(out))  # W^O
         return (out, weights) if need_weights else out
 
+    def forward_cls(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention output for the first token (the CLS token) alone.
+
+        Equal to ``forward(x)[:, :1]``, with a 1-row query: the keys and values still
+        come from every token, but the queries, score rows, head outputs and ``W^O`` of
+        the other tokens are not computed. With ``causal=True`` the CLS token, token 0,
+        attends to itself only, as in :meth:`forward`.
+
+        Shapes: ``x`` (batch, tokens, embed_dim) -> (batch, 1, embed_dim), same dtype.
+        """
+        d = self.embed_dim
+        weight, bias = self.qkv.weight, self.qkv.bias
+        q = F.linear(x[:, :1], weight[:d], None if bias is None else bias[:d])  # (B, 1, D)
+        kv = F.linear(x, weight[d:], None if bias is None else bias[d:])  # (B, T, 2*D)
+        q = rearrange(q, "b t (h d) -> b h t d", h=self.num_heads)
+        k, v = rearrange(kv, "b t (two h d) -> two b h t d", two=2, h=self.num_heads)
+        attend = self._attend or self._paths[resolve_attention_impl("auto", x.device.type)]
+        out, _ = attend(q, k, v)  # (B, h, 1, head_dim)
+        return self.proj_dropout(self.proj(rearrange(out, "b h t d -> b t (h d)")))
+
     def _explicit(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # The hand-written backward pays only where a backward follows. Attention dropout
+        # in training, inference and TorchScript tracing (export) take the step-by-step
+        # path: tracing cannot record a Python autograd.Function.
+        if (
+            q.requires_grad
+            and torch.is_grad_enabled()
+            and not torch.jit.is_tracing()
+            and not (self.training and self.attn_dropout.p > 0)
+        ):
+            return _ExplicitAttention.apply(q, k, v, self.scale, self.causal), None
+        return self._explicit_weights(q, k, v)
+
+    def _explicit_weights(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Scaling q (T x d_k) instead of the scores (T x T) is the same product with
         # fewer multiplications, and exact when sqrt(d_k) is a power of 2.
         scores = (q * self.scale) @ k.transpose(-2, -1)  # (B, h, T, T)
         if self.causal:
-            t = scores.shape[-1]
-            above = torch.ones(t, t, dtype=torch.bool, device=scores.device).triu(1)
+            # Query i is token i (forward_cls passes the first query only), so row i
+            # masks the keys j > i.
+            t_q, t_k = scores.shape[-2:]
+            above = torch.ones(t_q, t_k, dtype=torch.bool, device=scores.device).triu(1)
             scores = scores.masked_fill(above, float("-inf"))
         if scores.dtype in (torch.bfloat16, torch.float16):
             # Under autocast: the softmax in float32 is more accurate, and on the CPU

@@ -172,6 +172,19 @@ class EncoderBlock(nn.Module):
         x = x + self.drop_path(self.attn(self.norm1(x)))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
+    def forward_cls(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output for the CLS token (token 0) alone.
+
+        Equal to ``forward(x)[:, :1]``: every token's keys and values are still
+        computed, but the other tokens' attention rows, ``W^O``, second LayerNorm and MLP
+        are not. The classifier's last block needs nothing more, because only the CLS
+        token reaches the head (ViT eq. 4).
+
+        Shapes: (batch, tokens, embed_dim) -> (batch, 1, embed_dim).
+        """
+        cls = x[:, :1] + self.drop_path(self.attn.forward_cls(self.norm1(x)))
+        return cls + self.drop_path(self.mlp(self.norm2(cls)))
+
 
 class VisionTransformer(nn.Module):
     """ViT classifier for small single-channel images such as MNIST.
@@ -298,7 +311,17 @@ class VisionTransformer(nn.Module):
         return self.head(x[:, 0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
+        """Images (B, C, H, W) -> logits (B, num_classes).
+
+        The same numbers as ``forward_head(forward_features(x))``, but the last block
+        runs for the CLS token alone (:meth:`EncoderBlock.forward_cls`): no later layer
+        reads the patch tokens' outputs there, and skipping them saves about a sixth of
+        a training step at the default architecture (docs/benchmarks.md).
+        """
+        x = self._embed(x)
+        for block in self.blocks[:-1]:
+            x = block(x)
+        return self.forward_head(self.norm(self.blocks[-1].forward_cls(x)))
 
     def forward_with_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits and every block's attention weights, via the explicit path.
