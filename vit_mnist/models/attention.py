@@ -67,8 +67,8 @@ class _ExplicitAttention(torch.autograd.Function):
 
     The forward is the explicit path's arithmetic, with the scale applied inside the
     Q K^T product (its alpha) instead of to Q: no pass of its own, and for a power-of-2
-    sqrt(d_k) the same bits. The backward is the
-    gradient of softmax attention written out (P the weights, dO the output's gradient):
+    sqrt(d_k) the same bits. The backward is the gradient of softmax attention written
+    out (P the weights, dO the output's gradient):
 
         dV = P^T dO,   dP = dO V^T,   dS = P * (dP - rowsum(dP * P)),
         dQ = scale * dS K,   dK = scale * dS^T Q
