@@ -14,3 +14,17 @@ class PoisonBatch(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if trainer.global_step == self.at_step:
             batch[0].fill_(float("nan"))
+
+
+def assert_same_values_and_gradients(fast, slow, inputs, *, atol: float, rtol: float) -> None:
+    """``fast`` and ``slow`` (two computations of one quantity) agree, and so do the
+    gradients of ``sum(out**2)`` with respect to every tensor in ``inputs``."""
+    import torch
+
+    torch.testing.assert_close(fast, slow, atol=atol, rtol=rtol)
+    for a, b in zip(
+        torch.autograd.grad(fast.square().sum(), inputs),
+        torch.autograd.grad(slow.square().sum(), inputs),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, atol=atol, rtol=rtol)

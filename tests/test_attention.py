@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from tests.helpers import assert_same_values_and_gradients
 from vit_mnist.errors import ConfigError
 from vit_mnist.models.attention import MultiHeadSelfAttention
 
@@ -54,14 +55,11 @@ def test_forward_cls_is_the_first_row_of_forward(impl, causal, qkv_bias):
     x = torch.randn(2, 7, 24, requires_grad=True)
     full, cls = attn(x)[:, :1], attn.forward_cls(x)
     assert cls.shape == (2, 1, 24)
-    torch.testing.assert_close(cls, full, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(cls, textbook_mha(attn, x, causal)[:, :1], atol=1e-5, rtol=1e-5)
-    g_full = torch.autograd.grad(full.square().sum(), [x, attn.qkv.weight])
-    g_cls = torch.autograd.grad(cls.square().sum(), [x, attn.qkv.weight])
-    for a, b in zip(g_cls, g_full, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert_same_values_and_gradients(cls, full, [x, attn.qkv.weight], atol=1e-6, rtol=1e-5)
     if causal:  # the CLS token then sees only itself: the other tokens cannot move it
-        assert g_cls[0][:, 1:].abs().max() == 0
+        (grad_x,) = torch.autograd.grad(attn.forward_cls(x).sum(), [x])
+        assert grad_x[:, 1:].abs().max() == 0
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -204,14 +202,8 @@ def test_explicit_training_path_matches_autograd_of_the_textbook_steps(causal, m
         attn(x)  # no backward to follow: the step-by-step path
     assert calls == [1]
     slow, _ = attn(x, need_weights=True)  # autograd through every step
-    torch.testing.assert_close(fast, slow, atol=1e-6, rtol=1e-5)
     params = [x, attn.qkv.weight, attn.qkv.bias, attn.proj.weight]
-    for a, b in zip(
-        torch.autograd.grad(fast.square().sum(), params),
-        torch.autograd.grad(slow.square().sum(), params),
-        strict=True,
-    ):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_same_values_and_gradients(fast, slow, params, atol=1e-5, rtol=1e-5)
 
 
 def test_explicit_training_path_under_bf16_autocast_matches_float32():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import assert_same_values_and_gradients
 from vit_mnist.errors import ConfigError
 from vit_mnist.models import VisionTransformer
 
@@ -46,14 +47,7 @@ def test_forward_runs_the_last_block_for_the_cls_token_with_the_same_numbers(
     x = torch.randn(3, 1, 28, 28)
     fast = model(x)  # the last block for the CLS token only
     full = model.forward_head(model.forward_features(x))  # every token through every block
-    torch.testing.assert_close(fast, full, atol=1e-6, rtol=1e-5)
-    params = list(model.parameters())
-    for a, b in zip(
-        torch.autograd.grad(fast.square().sum(), params),
-        torch.autograd.grad(full.square().sum(), params),
-        strict=True,
-    ):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert_same_values_and_gradients(fast, full, list(model.parameters()), atol=1e-6, rtol=1e-5)
 
 
 def test_fused_and_explicit_models_agree():
