@@ -62,6 +62,11 @@ def check_attention_args(*, embed_dim: int, num_heads: int, impl: str = "explici
         raise ConfigError(f"attention_impl={impl!r} is unknown; use one of {list(ATTENTION_IMPLS)}")
 
 
+def _causal_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor:
+    """(T_q, T_k) bool, True above the diagonal: query i (token i) must not see keys j > i."""
+    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).triu(1)
+
+
 class _ExplicitAttention(torch.autograd.Function):
     """softmax(Q K^T * scale) V with a hand-written backward; the explicit path for training.
 
@@ -94,8 +99,7 @@ class _ExplicitAttention(torch.autograd.Function):
             q.new_empty(b * h, t_q, t_k), q, k.transpose(1, 2), beta=0, alpha=scale
         )  # (B*h, T_q, T_k)
         if causal:
-            above = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).triu(1)
-            scores.masked_fill_(above, float("-inf"))
+            scores.masked_fill_(_causal_mask(t_q, t_k, q.device), float("-inf"))
         if scores.dtype in (torch.bfloat16, torch.float16):
             # As in the explicit path: the softmax in float32, rounded back for @ V.
             weights = torch.softmax(scores.float(), dim=-1).to(scores.dtype)
@@ -195,13 +199,9 @@ class MultiHeadSelfAttention(nn.Module):
         q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, h=self.num_heads)
         if need_weights:
             out, weights = self._explicit_weights(q, k, v)
-        elif self._attend is not None:
-            out, weights = self._attend(q, k, v)
-        else:  # auto: one dict lookup per call, for a model that moves between devices
-            out, weights = self._paths[resolve_attention_impl("auto", x.device.type)](q, k, v)
-        out = rearrange(out, "b h t d -> b t (h d)")  # Concat(head_1..head_h)
-        out = self.proj_dropout(self.proj(out))  # W^O
-        return (out, weights) if need_weights else out
+            return self._merge_heads(out), weights
+        out, _ = self._path(x.device.type)(q, k, v)
+        return self._merge_heads(out)
 
     def forward_cls(self, x: torch.Tensor) -> torch.Tensor:
         """The attention output for the first token (the CLS token) alone.
@@ -219,9 +219,18 @@ class MultiHeadSelfAttention(nn.Module):
         kv = F.linear(x, weight[d:], None if bias is None else bias[d:])  # (B, T, 2*D)
         q = rearrange(q, "b t (h d) -> b h t d", h=self.num_heads)
         k, v = rearrange(kv, "b t (two h d) -> two b h t d", two=2, h=self.num_heads)
-        attend = self._attend or self._paths[resolve_attention_impl("auto", x.device.type)]
-        out, _ = attend(q, k, v)  # (B, h, 1, head_dim)
-        return self.proj_dropout(self.proj(rearrange(out, "b h t d -> b t (h d)")))
+        out, _ = self._path(x.device.type)(q, k, v)  # (B, h, 1, head_dim)
+        return self._merge_heads(out)
+
+    def _path(self, device_type: str):
+        if self._attend is not None:
+            return self._attend
+        # auto: one dict lookup per call, for a model that moves between devices
+        return self._paths[resolve_attention_impl("auto", device_type)]
+
+    def _merge_heads(self, out: torch.Tensor) -> torch.Tensor:
+        out = rearrange(out, "b h t d -> b t (h d)")  # Concat(head_1..head_h)
+        return self.proj_dropout(self.proj(out))  # W^O
 
     def _explicit(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -247,8 +256,7 @@ class MultiHeadSelfAttention(nn.Module):
         if self.causal:
             # Query i is token i (forward_cls passes the first query only), so row i
             # masks the keys j > i.
-            t_q, t_k = scores.shape[-2:]
-            above = torch.ones(t_q, t_k, dtype=torch.bool, device=scores.device).triu(1)
+            above = _causal_mask(*scores.shape[-2:], scores.device)
             scores = scores.masked_fill(above, float("-inf"))
         if scores.dtype in (torch.bfloat16, torch.float16):
             # Under autocast: the softmax in float32 is more accurate, and on the CPU
