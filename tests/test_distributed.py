@@ -64,6 +64,7 @@ def test_ddp_on_two_cpu_processes(tmp_path):
             assert f"DDP process {rank} pinned to CPU cores {mine}" in train_log, train_log[-3000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["world_size"] == 2
+    assert metrics["device"].startswith("cpu (") and "2 processes x " in metrics["device"]
     assert metrics["effective_batch_size"] == 2 * 64
     # 512 training images over 2 processes at 64 per batch: 4 steps an epoch.
     assert metrics["global_steps"] == 2 * 4 and metrics["epochs"] == 2

@@ -211,3 +211,20 @@ def test_eval_rejects_foreign_torch_file(tmp_path):
     torch.save({"state_dict": {}, "epoch": 1}, path)
     with pytest.raises(CheckpointError, match="not a vit_mnist checkpoint"):
         read_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    ("threads", "processes", "expected"),
+    [
+        (2, 1, "cpu (CPU, 2 threads)"),
+        (1, 1, "cpu (CPU, 1 thread)"),
+        (1, 2, "cpu (CPU, 2 processes x 1 thread)"),
+        (4, 2, "cpu (CPU, 2 processes x 4 threads)"),
+    ],
+)
+def test_device_line_names_threads_and_processes(monkeypatch, threads, processes, expected):
+    from vit_mnist import utils
+
+    monkeypatch.setattr(utils, "cpu_name", lambda: "CPU")
+    monkeypatch.setattr(utils.torch, "get_num_threads", lambda: threads)
+    assert utils.describe_device(torch.device("cpu"), processes) == expected

@@ -191,7 +191,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         },
         "confusion_matrix": cm.tolist(),
         "ckpt_path": str(ckpt_path.resolve()),
-        "device": describe_device(trainer.strategy.root_device),
+        "device": describe_device(trainer.strategy.root_device, trainer.world_size),
         "precision": str(trainer.precision),
         "dataset": dataset,
         "data_source": getattr(datamodule, "source", None),

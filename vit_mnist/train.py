@@ -270,7 +270,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "effective_batch_size": cfg.data.batch_size * trainer.world_size,
         "epochs": trainer.current_epoch,
         "global_steps": trainer.global_step,
-        "device": describe_device(trainer.strategy.root_device),
+        "device": describe_device(trainer.strategy.root_device, trainer.world_size),
         "precision": str(trainer.precision),
         "dataset": getattr(datamodule, "name", type(datamodule).__name__),
         "experiment": _experiment_name(),

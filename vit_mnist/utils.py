@@ -113,11 +113,18 @@ def pin_to_cores(local_rank: int, local_world_size: int) -> list[int] | None:
     return mine
 
 
-def describe_device(device: torch.device) -> str:
-    """A human-readable device line, e.g. ``cpu (AMD EPYC ..., 2 threads)``."""
+def describe_device(device: torch.device, processes: int = 1) -> str:
+    """A human-readable device line: ``cpu (AMD EPYC, 2 threads)``, or with ``processes``
+    above 1 (DDP on one machine), ``cpu (AMD EPYC, 2 processes x 1 thread)``; on CUDA
+    ``cuda (NVIDIA H100 80GB HBM3)``, with ``2 x`` in front for two processes."""
     if device.type == "cuda":
-        return f"cuda ({torch.cuda.get_device_name(device)})"
-    return f"cpu ({cpu_name()}, {torch.get_num_threads()} threads)"
+        name = torch.cuda.get_device_name(device)
+        return f"cuda ({name})" if processes == 1 else f"cuda ({processes} x {name})"
+    threads = torch.get_num_threads()
+    per_process = f"{threads} thread{'s' if threads != 1 else ''}"
+    if processes == 1:
+        return f"cpu ({cpu_name()}, {per_process})"
+    return f"cpu ({cpu_name()}, {processes} processes x {per_process})"
 
 
 def exit_on_user_error(func: Callable[..., Any]) -> Callable[..., Any]:
