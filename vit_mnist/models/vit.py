@@ -11,7 +11,7 @@ Dosovitskiy et al. 2021, "An Image is Worth 16x16 Words", eq. 1-4:
 from __future__ import annotations
 
 import torch
-from einops import rearrange, repeat
+from einops import rearrange
 from torch import nn
 from torchvision.ops import StochasticDepth
 
@@ -296,7 +296,10 @@ class VisionTransformer(nn.Module):
 
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)  # (B, N, D)
-        cls = repeat(self.cls_token, "1 1 d -> b 1 d", b=x.shape[0])
+        # expand, not einops.repeat: einops keys its backends by exact type, so a Parameter
+        # argument registered a second backend in the middle of torch.compile's first trace,
+        # and every process compiled the model one more time (about 2.4 s each).
+        cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, D), a view
         return self.pos_drop(torch.cat([cls, x], dim=1) + self.pos_embed)  # (B, 1+N, D)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
