@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch._dynamo.utils import counters
 
 from tests.conftest import compose_config
 from vit_mnist.errors import CheckpointError, ConfigError
 from vit_mnist.evaluate import evaluate, read_checkpoint
-from vit_mnist.module import ViTClassifier, resolve_compile_mode
+from vit_mnist.module import ViTClassifier, compile_settings, resolve_compile_mode
 from vit_mnist.train import train
 
 SCALARS = {
@@ -123,8 +124,13 @@ def test_compile_keeps_plain_checkpoints(make_train_cfg, monkeypatch):
         return real_compile(model, backend="eager")
 
     monkeypatch.setattr(torch, "compile", fast_compile)
+    torch._dynamo.reset()
+    counters.clear()
     cfg = make_train_cfg("model.compile=true", "trainer.max_epochs=1")
     metrics = train(cfg)
+    # One graph for validation (no_grad), one for training, one for the test (inference
+    # mode). A fourth meant a recompile, as when einops met the cls_token Parameter.
+    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
     assert len(compiled) == 1 and compiled[0][0].__class__.__name__ == "VisionTransformer"
     assert compiled[0][1] == {"dynamic": True, "mode": "default"}
     state = read_checkpoint(metrics["best_ckpt"])["state_dict"]
@@ -228,3 +234,17 @@ def test_device_line_names_threads_and_processes(monkeypatch, threads, processes
     monkeypatch.setattr(utils, "cpu_name", lambda: "CPU")
     monkeypatch.setattr(utils.torch, "get_num_threads", lambda: threads)
     assert utils.describe_device(torch.device("cpu"), processes) == expected
+
+
+def test_compile_settings_apply_inside_and_restore_after():
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+
+    keys = [
+        (dynamo_config, "specialize_float"),
+        (functorch_config, "autograd_cache_allow_custom_autograd_functions"),
+    ]
+    before = [getattr(config, key) for config, key in keys]
+    with compile_settings():
+        assert all(getattr(config, key) is True for config, key in keys)
+    assert [getattr(config, key) for config, key in keys] == before

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import random
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -21,6 +23,40 @@ from vit_mnist.utils import pin_to_cores
 
 RUN_INFO_KEY = "vit_mnist"
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def compile_settings() -> Iterator[None]:
+    """torch.compile settings under which :class:`ViTClassifier` calls its compiled model.
+
+    Both cut the compile time of every run after the first, and neither changes the compiled
+    code's numbers or speed (measured: docs in the README's Speedrun section):
+
+    - ``torch._dynamo.config.specialize_float=True``: with ``dynamic=True`` Dynamo first
+      traces float module attributes (dropout ``p``, LayerNorm ``eps``) as symbols, then
+      specialises them and restarts the whole analysis; this traces them as the constants
+      they are, once.
+    - ``torch._functorch.config.autograd_cache_allow_custom_autograd_functions=True``:
+      AOTAutograd's on-disk cache otherwise skips any graph holding an
+      ``autograd.Function`` (here the explicit attention's hand-written backward,
+      :class:`vit_mnist.models.attention._ExplicitAttention`), so every process traced the
+      training graph again. The Function's forward and backward are traced into the graph,
+      and so into the cache key: a change to either is a miss, not a stale hit (PyTorch
+      keeps the switch off by default while it tests it, pytorch/pytorch#149751).
+
+    A setting that this torch version lacks is left out.
+    """
+    import torch._dynamo.config  # noqa: F401  (loaded by torch.compile; named here to be sure)
+    import torch._functorch.config  # noqa: F401
+
+    with contextlib.ExitStack() as stack:
+        for config, key in (
+            (torch._dynamo.config, "specialize_float"),
+            (torch._functorch.config, "autograd_cache_allow_custom_autograd_functions"),
+        ):
+            if hasattr(config, key):
+                stack.enter_context(config.patch(**{key: True}))
+        yield
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -166,7 +202,12 @@ class ViTClassifier(L.LightningModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, 1, 28, 28) float -> logits (B, num_classes)."""
-        return self.net(x) if self._compiled is None else self._compiled(x)
+        if self._compiled is None:
+            return self.net(x)
+        # Any call may compile (the sanity check, a new grad mode, a recompile): each one
+        # under the same settings. Entering them costs about 40 us, once per batch.
+        with compile_settings():
+            return self._compiled(x)
 
     def setup(self, stage: str) -> None:
         trainer = self.trainer
@@ -209,13 +250,13 @@ class ViTClassifier(L.LightningModule):
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
         start = time.perf_counter()
         with trainer.precision_plugin.forward_context():
-            self._compiled(x).float().sum().backward()
+            self(x).float().sum().backward()
         self.net.zero_grad(set_to_none=True)
         # Validation inside fit runs under no_grad: Lightning builds the fit loop's
         # validation loop with inference_mode=False.
         self.net.eval()
         with torch.no_grad(), trainer.precision_plugin.forward_context():
-            self._compiled(x)
+            self(x)
         self.net.train()
         torch.set_rng_state(cpu_rng)
         if cuda_rng:
