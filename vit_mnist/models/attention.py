@@ -28,10 +28,11 @@ ATTENTION_IMPLS: tuple[str, ...] = ("auto", "explicit", "fused")
 
 # What `auto` runs on each device type, from measurements (docs/benchmarks.md): on a
 # 2-core Zen 5 CPU, training at the default architecture, the explicit path was level with
-# scaled_dot_product_attention in float32 (1 075 against 1 073 images/s; 1.08x at the larger
-# architecture) and 3.6x faster under bf16 autocast (2 008 against 560; PyTorch's CPU
-# kernel is written for long sequences, not 17 or 50 tokens). On CUDA the
-# fused kernels (flash / memory-efficient) avoid writing the (T, T) weights to memory.
+# scaled_dot_product_attention in float32 within the VM's noise (1 275 against 1 317
+# images/s in one run, 1 075 against 1 073 in the one before) and 3.7x faster under bf16
+# autocast (2 209 against 602; PyTorch's CPU kernel is written for long sequences, not 17
+# or 50 tokens). On CUDA the fused kernels (flash / memory-efficient) avoid writing the
+# (T, T) weights to memory.
 AUTO_IMPL = {"cuda": "fused"}
 
 
