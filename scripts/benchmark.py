@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vit_mnist.models import VisionTransformer
-from vit_mnist.module import compile_settings
+from vit_mnist.module import CompiledUnderSettings
 from vit_mnist.utils import cpu_name
 
 ARCHS = {
@@ -106,23 +106,11 @@ def vit_pytorch(embed_dim, depth, num_heads, mlp_dim):
     )
 
 
-class CompiledUnderOurSettings(nn.Module):
-    """A torch.compile'd model called under :func:`vit_mnist.module.compile_settings`, as
-    ``model.compile=true`` calls ours. Every compiled model gets them, ours and the peers':
-    they change compile time, not the compiled code's speed."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.compiled = torch.compile(model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with compile_settings():
-            return self.compiled(x)
-
-
 def compiled(build: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    # Every compiled model, ours and the peers', is called under our compile settings, as
+    # model.compile=true calls ours: they change compile time, not the compiled speed.
     def build_compiled(**arch):
-        return CompiledUnderOurSettings(build(**arch))
+        return CompiledUnderSettings(build(**arch))
 
     return build_compiled
 
