@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vit_mnist.models import VisionTransformer
+from vit_mnist.models import MultiHeadSelfAttention, VisionTransformer
 from vit_mnist.module import CompiledUnderSettings
 from vit_mnist.utils import cpu_name
 
@@ -54,9 +54,9 @@ ARCHS = {
 PATCH, IMG, CLASSES = 4, 28, 10
 
 
-def ours(impl: str) -> Callable[..., nn.Module]:
+def ours(impl: str, native_kernel: bool = True) -> Callable[..., nn.Module]:
     def build(embed_dim, depth, num_heads, mlp_dim):
-        return VisionTransformer(
+        model = VisionTransformer(
             img_size=IMG,
             patch_size=PATCH,
             in_chans=1,
@@ -68,6 +68,10 @@ def ours(impl: str) -> Callable[..., nn.Module]:
             attention_impl=impl,
             qkv_bias=False,
         )
+        for m in model.modules():
+            if isinstance(m, MultiHeadSelfAttention):
+                m.native_kernel = native_kernel
+        return model
 
     return build
 
@@ -117,6 +121,8 @@ def compiled(build: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
 
 IMPLS = {
     "ours (explicit)": ours("explicit"),
+    # The explicit path on PyTorch operations: what the fused CPU kernel adds.
+    "ours (explicit, no kernel)": ours("explicit", native_kernel=False),
     "ours (fused)": ours("fused"),
     "timm": timm_vit,
     "vit-pytorch": vit_pytorch,

@@ -195,6 +195,7 @@ def test_explicit_training_path_matches_autograd_of_the_textbook_steps(causal, m
     )
     torch.manual_seed(0)
     attn = MultiHeadSelfAttention(embed_dim=32, num_heads=4, causal=causal)
+    attn.native_kernel = False  # the PyTorch-operations Function (the kernel: its own tests)
     x = torch.randn(3, 50, 32, requires_grad=True)
     fast = attn(x)  # weights not asked for: the hand-written backward
     assert calls == [1]

@@ -22,6 +22,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from vit_mnist.errors import ConfigError
+from vit_mnist.models import native
 
 AttentionImpl = Literal["auto", "explicit", "fused"]
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "explicit", "fused")
@@ -153,7 +154,10 @@ class MultiHeadSelfAttention(nn.Module):
             ``"auto"`` (the default) runs whichever measured faster on the input's
             device type, see :func:`resolve_attention_impl`. Both paths give the same
             numbers (to 1e-5 in float32); a call with ``need_weights=True`` always runs
-            the explicit path, because only it materialises the weights.
+            the explicit path, because only it materialises the weights. On the CPU the
+            explicit path's training step runs in a fused C++ kernel where one can be
+            built (:mod:`vit_mnist.models.native`), with the same numbers; set the
+            attribute ``native_kernel = False`` to run it on PyTorch operations.
 
     Shapes:
         input ``x``: (batch, tokens, embed_dim), float32 / bfloat16 / float16.
@@ -164,6 +168,10 @@ class MultiHeadSelfAttention(nn.Module):
     Raises:
         ConfigError (a ValueError): impossible ``embed_dim`` / ``num_heads`` / ``impl``.
     """
+
+    # The fused CPU kernel for the explicit path's training step (where it applies). A plain
+    # attribute, not a constructor argument: it changes the speed, not the model.
+    native_kernel: bool = True
 
     def __init__(
         self,
@@ -197,6 +205,11 @@ class MultiHeadSelfAttention(nn.Module):
         self, x: torch.Tensor, need_weights: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         qkv = self.qkv(x)  # (B, T, 3*D)
+        if not need_weights and (lib := self._native_kernel(qkv, None)) is not None:
+            out = native.FusedCPUAttention.apply(
+                qkv, None, lib, self.num_heads, self.scale, self.causal
+            )  # (B, T, D): the heads already concatenated
+            return self.proj_dropout(self.proj(out))
         q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, h=self.num_heads)
         if need_weights:
             out, weights = self._explicit_weights(q, k, v)
@@ -218,10 +231,30 @@ class MultiHeadSelfAttention(nn.Module):
         weight, bias = self.qkv.weight, self.qkv.bias
         q = F.linear(x[:, :1], weight[:d], None if bias is None else bias[:d])  # (B, 1, D)
         kv = F.linear(x, weight[d:], None if bias is None else bias[d:])  # (B, T, 2*D)
+        if (lib := self._native_kernel(q, kv)) is not None:
+            out = native.FusedCPUAttention.apply(
+                q, kv, lib, self.num_heads, self.scale, self.causal
+            )  # (B, 1, D)
+            return self.proj_dropout(self.proj(out))
         q = rearrange(q, "b t (h d) -> b h t d", h=self.num_heads)
         k, v = rearrange(kv, "b t (two h d) -> two b h t d", two=2, h=self.num_heads)
         out, _ = self._path(x.device.type)(q, k, v)  # (B, h, 1, head_dim)
         return self._merge_heads(out)
+
+    def _native_kernel(self, q_src: torch.Tensor, kv_src: torch.Tensor | None):
+        """The fused CPU kernel where it runs this call (see :mod:`~vit_mnist.models.native`),
+        else None: the explicit path's training step on the CPU, as in :meth:`_explicit`."""
+        if (
+            not self.native_kernel
+            or torch.jit.is_tracing()
+            or torch.compiler.is_compiling()  # inductor fuses the PyTorch operations itself
+            or not (q_src.requires_grad and torch.is_grad_enabled())
+            or (self.training and self.attn_dropout.p > 0)
+            or q_src.device.type != "cpu"
+            or resolve_attention_impl(self.impl, "cpu") != "explicit"
+        ):
+            return None
+        return native.kernel_for(q_src, kv_src, self.num_heads)
 
     def _path(self, device_type: str):
         if self._attend is not None:

@@ -1,0 +1,133 @@
+"""The fused CPU attention kernel against the explicit path on PyTorch operations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import assert_same_values_and_gradients
+from vit_mnist.models import MultiHeadSelfAttention, native
+
+
+def kernel_builds() -> bool:
+    return native.kernel_for(torch.zeros(1, 1, 48), None, 1) is not None
+
+
+needs_kernel = pytest.mark.skipif(
+    not kernel_builds(),
+    reason="the fused CPU attention kernel cannot be built here (no C++ compiler or OpenMP)",
+)
+
+
+def both_ways(attn: MultiHeadSelfAttention, x: torch.Tensor, bf16: bool, cls: bool = False):
+    """The output with the kernel and without it (the same module, the same input)."""
+    outs = []
+    for use in (True, False):
+        attn.native_kernel = use
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = attn.forward_cls(x) if cls else attn(x)
+        outs.append(out.float())
+    attn.native_kernel = True
+    return outs
+
+
+@needs_kernel
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "tokens,embed_dim,num_heads",
+    [(50, 64, 4), (17, 16, 2), (65, 40, 2), (50, 64, 2), (1, 32, 2), (128, 128, 2)],
+)
+def test_kernel_gives_the_explicit_paths_numbers_in_float32(tokens, embed_dim, num_heads, causal):
+    torch.manual_seed(0)
+    attn = MultiHeadSelfAttention(
+        embed_dim=embed_dim, num_heads=num_heads, causal=causal, impl="explicit"
+    )
+    x = torch.randn(3, tokens, embed_dim, requires_grad=True)
+    for cls in (False, True):
+        fast, slow = both_ways(attn, x, bf16=False, cls=cls)
+        params = [x, attn.qkv.weight, attn.qkv.bias, attn.proj.weight]
+        assert_same_values_and_gradients(fast, slow, params, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_gives_the_explicit_paths_numbers_under_bf16_autocast(causal):
+    # The same roundings to bfloat16 as the explicit path; a sum taken in another order can
+    # land one bfloat16 step (2**-8 relative) away.
+    torch.manual_seed(0)
+    attn = MultiHeadSelfAttention(embed_dim=64, num_heads=4, causal=causal, impl="explicit")
+    x = torch.randn(4, 50, 64, requires_grad=True)
+    for cls in (False, True):
+        fast, slow = both_ways(attn, x, bf16=True, cls=cls)
+        params = [x, attn.qkv.weight, attn.proj.weight]
+        assert_same_values_and_gradients(fast, slow, params, atol=2e-2, rtol=2e-2)
+        # Most elements are bit-identical: the kernel is not merely close.
+        assert (fast == slow).float().mean() > 0.9
+
+
+def calls_to_kernel(monkeypatch) -> list[int]:
+    calls = []
+    apply = native.FusedCPUAttention.apply
+
+    def counting(*args):
+        calls.append(1)
+        return apply(*args)
+
+    monkeypatch.setattr(native.FusedCPUAttention, "apply", counting)
+    return calls
+
+
+@needs_kernel
+def test_kernel_runs_only_for_the_explicit_paths_training_step(monkeypatch):
+    calls = calls_to_kernel(monkeypatch)
+    x = torch.randn(2, 50, 64, requires_grad=True)
+    attn = MultiHeadSelfAttention(embed_dim=64, num_heads=4)  # auto: explicit on the CPU
+    attn(x)
+    attn.forward_cls(x)
+    assert len(calls) == 2
+    with torch.no_grad():
+        attn(x)  # inference: the explicit path's operations, nothing to save
+    attn(x, need_weights=True)  # the weights are wanted
+    MultiHeadSelfAttention(embed_dim=64, num_heads=4, impl="fused")(x)
+    MultiHeadSelfAttention(embed_dim=64, num_heads=4, attn_dropout=0.1)(x)
+    MultiHeadSelfAttention(embed_dim=64, num_heads=4)(torch.randn(1, 129, 64, requires_grad=True))
+    half = MultiHeadSelfAttention(embed_dim=64, num_heads=4).half()
+    half(x.detach().half().requires_grad_())  # float16: not a dtype the kernel takes
+    attn.native_kernel = False
+    attn(x)
+    assert len(calls) == 2
+
+
+@needs_kernel
+def test_the_environment_variable_turns_the_kernel_off(monkeypatch):
+    calls = calls_to_kernel(monkeypatch)
+    monkeypatch.setenv("VIT_MNIST_NATIVE_ATTENTION", "0")
+    MultiHeadSelfAttention(embed_dim=64, num_heads=4)(torch.randn(2, 50, 64, requires_grad=True))
+    assert calls == []
+
+
+@needs_kernel
+def test_build_is_cached_and_leaves_no_partial_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
+    first = native._build(2, 1)
+    assert first.parent == tmp_path / "kernels" and first.stat().st_size > 0
+    mtime = first.stat().st_mtime_ns
+    assert native._build(2, 1) == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no *.tmp left over
+
+
+def test_without_a_compiler_it_warns_and_the_explicit_path_runs(monkeypatch, tmp_path):
+    monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    native._library.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler found"):
+            assert native.kernel_for(torch.zeros(1, 17, 48), None, 1) is None
+        attn = MultiHeadSelfAttention(embed_dim=16, num_heads=1)
+        x = torch.randn(2, 17, 16, requires_grad=True)
+        out = attn(x)
+        out.sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+        assert not any((tmp_path / "kernels").glob("*"))  # nothing half-built left behind
+    finally:
+        native._library.cache_clear()
