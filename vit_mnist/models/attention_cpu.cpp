@@ -108,11 +108,12 @@ inline v16 exp_neg(v16 x) {
 struct Src { const char* p; int64_t bs, ts; };  // element strides of batch and token
 struct Dst { char* p; int64_t bs, ts; };
 
-// One head's rows (T, d) -> rows of DV vectors, zero-padded past d.
+// One head's rows t0 .. t0+T-1 (d features each) -> T rows of DV vectors, zero-padded past d.
 template <bool BF16, int DV>
-inline void load_rows(v16* dst, const Src& s, int64_t b, int64_t c, int64_t T, int d) {
+inline void load_rows(v16* dst, const Src& s, int64_t b, int64_t c, int64_t t0, int64_t T,
+                      int d) {
   for (int64_t t = 0; t < T; ++t) {
-    const char* row = s.p + (b * s.bs + t * s.ts + c) * esize<BF16>();
+    const char* row = s.p + (b * s.bs + (t0 + t) * s.ts + c) * esize<BF16>();
     for (int cv = 0; cv < DV; ++cv)
       dst[t * DV + cv] = load<BF16>(row + 16 * cv * esize<BF16>(), std::clamp(d - 16 * cv, 0, 16));
   }
@@ -141,11 +142,7 @@ inline void forward_rows(const Src& q, const Dst& out, char* weights, const v16*
                          const v16* V, int64_t b, int64_t c, int64_t bh, int64_t i0, int64_t Tq,
                          int64_t Tk, int d, float scale, bool causal) {
   alignas(64) v16 qi[R][DV];
-  for (int r = 0; r < R; ++r) {
-    const char* qrow = q.p + (b * q.bs + (i0 + r) * q.ts + c) * esize<BF16>();
-    for (int cv = 0; cv < DV; ++cv)
-      qi[r][cv] = load<BF16>(qrow + 16 * cv * esize<BF16>(), std::clamp(d - 16 * cv, 0, 16));
-  }
+  load_rows<BF16, DV>(qi[0], q, b, c, i0, R, d);
   v16 s[R][NB] = {};
   for (int x = 0; x < d; ++x)
     for (int r = 0; r < R; ++r) {
@@ -199,9 +196,9 @@ void forward(Src q, Src k, Src v, Dst out, char* weights, int64_t B, int64_t H, 
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < B * H; ++bh) {
       int64_t b = bh / H, c = (bh % H) * d;
-      load_rows<BF16, DV>(rows, k, b, c, Tk, d);
+      load_rows<BF16, DV>(rows, k, b, c, 0, Tk, d);
       transpose<NB, DV>(Kt, rows, Tk, d);
-      load_rows<BF16, DV>(V, v, b, c, Tk, d);
+      load_rows<BF16, DV>(V, v, b, c, 0, Tk, d);
       int64_t i = 0;
       for (; i + 4 <= Tq; i += 4)
         forward_rows<BF16, NB, DV, 4>(q, out, weights, Kt, V, b, c, bh, i, Tq, Tk, d, scale, causal);
@@ -217,13 +214,11 @@ inline void backward_rows(const Src& go, const Dst& gq, const char* weights, con
                           int64_t bh, int64_t i0, int64_t Tq, int64_t Tk, int d, float scale) {
   alignas(64) float P[R][NB * 16], dS[R][NB * 16];
   alignas(64) v16 doi[R][DV];
+  load_rows<BF16, DV>(doi[0], go, b, c, i0, R, d);
   for (int r = 0; r < R; ++r) {
     const char* wrow = weights + (bh * Tq + i0 + r) * NB * 16 * esize<BF16>();
     for (int jb = 0; jb < NB; ++jb)
       reinterpret_cast<v16*>(P[r])[jb] = load<BF16>(wrow + jb * 16 * esize<BF16>(), 16);
-    const char* grow = go.p + (b * go.bs + (i0 + r) * go.ts + c) * esize<BF16>();
-    for (int cv = 0; cv < DV; ++cv)
-      doi[r][cv] = load<BF16>(grow + 16 * cv * esize<BF16>(), std::clamp(d - 16 * cv, 0, 16));
   }
   // dP[i, :] = dO[i] V^T
   v16 dp[R][NB] = {};
@@ -274,9 +269,9 @@ void backward(Src q, Src k, Src v, const char* weights, Src go, Dst gq, Dst gk, 
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < B * H; ++bh) {
       int64_t b = bh / H, c = (bh % H) * d;
-      load_rows<BF16, DV>(Q, q, b, c, Tq, d);
-      load_rows<BF16, DV>(K, k, b, c, Tk, d);
-      load_rows<BF16, DV>(rows, v, b, c, Tk, d);
+      load_rows<BF16, DV>(Q, q, b, c, 0, Tq, d);
+      load_rows<BF16, DV>(K, k, b, c, 0, Tk, d);
+      load_rows<BF16, DV>(rows, v, b, c, 0, Tk, d);
       transpose<NB, DV>(Vt, rows, Tk, d);
       std::memset(static_cast<void*>(dK), 0, sizeof(v16) * Tk * DV);
       std::memset(static_cast<void*>(dV), 0, sizeof(v16) * Tk * DV);
