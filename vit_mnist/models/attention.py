@@ -205,9 +205,9 @@ class MultiHeadSelfAttention(nn.Module):
         self, x: torch.Tensor, need_weights: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         qkv = self.qkv(x)  # (B, T, 3*D)
-        if not need_weights and (lib := self._native_kernel(qkv, None)) is not None:
+        if not need_weights and self._native_kernel(qkv, None):
             out = native.FusedCPUAttention.apply(
-                qkv, None, lib, self.num_heads, self.scale, self.causal
+                qkv, None, self.num_heads, self.scale, self.causal
             )  # (B, T, D): the heads already concatenated
             return self.proj_dropout(self.proj(out))
         q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, h=self.num_heads)
@@ -231,30 +231,31 @@ class MultiHeadSelfAttention(nn.Module):
         weight, bias = self.qkv.weight, self.qkv.bias
         q = F.linear(x[:, :1], weight[:d], None if bias is None else bias[:d])  # (B, 1, D)
         kv = F.linear(x, weight[d:], None if bias is None else bias[d:])  # (B, T, 2*D)
-        if (lib := self._native_kernel(q, kv)) is not None:
-            out = native.FusedCPUAttention.apply(
-                q, kv, lib, self.num_heads, self.scale, self.causal
-            )  # (B, 1, D)
+        if self._native_kernel(q, kv):
+            # (B, 1, D)
+            out = native.FusedCPUAttention.apply(q, kv, self.num_heads, self.scale, self.causal)
             return self.proj_dropout(self.proj(out))
         q = rearrange(q, "b t (h d) -> b h t d", h=self.num_heads)
         k, v = rearrange(kv, "b t (two h d) -> two b h t d", two=2, h=self.num_heads)
         out, _ = self._path(x.device.type)(q, k, v)  # (B, h, 1, head_dim)
         return self._merge_heads(out)
 
-    def _native_kernel(self, q_src: torch.Tensor, kv_src: torch.Tensor | None):
-        """The fused CPU kernel where it runs this call (see :mod:`~vit_mnist.models.native`),
-        else None: the explicit path's training step on the CPU, as in :meth:`_explicit`."""
-        if (
-            not self.native_kernel
-            or torch.jit.is_tracing()
-            or torch.compiler.is_compiling()  # inductor fuses the PyTorch operations itself
-            or not (q_src.requires_grad and torch.is_grad_enabled())
-            or (self.training and self.attn_dropout.p > 0)
-            or q_src.device.type != "cpu"
-            or resolve_attention_impl(self.impl, "cpu") != "explicit"
-        ):
-            return None
-        return native.kernel_for(q_src, kv_src, self.num_heads)
+    def _native_kernel(self, q_src: torch.Tensor, kv_src: torch.Tensor | None) -> bool:
+        """Whether the fused CPU kernel runs this call (see :mod:`~vit_mnist.models.native`):
+        the explicit path's training step on the CPU, as in :meth:`_explicit`, eager or
+        under ``torch.compile``, which calls it as an opaque operator."""
+        return (
+            self.native_kernel
+            and not torch.jit.is_tracing()
+            # An exported program (ONNX) must hold standard operators, not this library's.
+            and not torch.compiler.is_exporting()
+            and q_src.requires_grad
+            and torch.is_grad_enabled()
+            and not (self.training and self.attn_dropout.p > 0)
+            and q_src.device.type == "cpu"
+            and resolve_attention_impl(self.impl, "cpu") == "explicit"
+            and native.usable(q_src, kv_src, self.num_heads)
+        )
 
     def _path(self, device_type: str):
         if self._attend is not None:

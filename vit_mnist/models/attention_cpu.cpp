@@ -21,6 +21,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__) || defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -35,6 +38,11 @@ inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
 
 // Round every lane to bfloat16 (nearest even), kept as float. NaN lanes stay NaN.
 inline v16 round_bf16(v16 x) {
+#ifdef __AVX512BF16__
+  // One instruction where the CPU has it; it also flushes denormals (below 1.2e-38) to 0.
+  h16v h = (h16v)_mm512_cvtneps_pbh((__m512)x);
+  return (v16)(__builtin_convertvector(h, u16v) << 16);
+#endif
   u16v u = (u16v)x;
   u16v r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
   i16v nan = (u & 0x7fffffffu) > 0x7f800000u;
@@ -87,10 +95,18 @@ inline v16 hsum(v16 x) {
 // exp(x) for lanes x <= 0: Cephes expf (Cody-Waite reduction, degree-6 polynomial, about
 // 1 ulp). Lanes below -87.3, -inf included, give 0.
 inline v16 exp_neg(v16 x) {
+#ifdef __AVX512F__
+  // vscalefps multiplies by 2^n, underflowing to 0 itself, and vrndscaleps rounds n: six
+  // fewer instructions than the portable version below. Lanes below -104 (-inf included)
+  // round to 0; between -104 and -87.3 this gives exp's subnormal values.
+  v16 xc = vmax(x, splat(-104.0f));
+  v16 fn = (v16)_mm512_roundscale_ps((__m512)(xc * 1.44269504088896341f), _MM_FROUND_TO_NEAREST_INT);
+#else
   i16v under = x < -87.3f;
   v16 xc = vmax(x, splat(-87.3f));
   v16 fn = __builtin_convertvector(__builtin_convertvector(xc * 1.44269504088896341f - 0.5f, i16v), v16);
   // convert truncates toward 0; xc*log2e - 0.5 <= 0, so this rounds to nearest (ties down)
+#endif
   v16 r = xc - fn * 0.693359375f;
   r = r - fn * -2.12194440e-4f;
   v16 p = splat(1.9875691500e-4f);
@@ -100,9 +116,13 @@ inline v16 exp_neg(v16 x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   v16 y = p * r * r + r + 1.0f;
+#ifdef __AVX512F__
+  return (v16)_mm512_scalef_ps((__m512)y, (__m512)fn);
+#else
   i16v n = __builtin_convertvector(fn, i16v);
   v16 pow2 = (v16)((n + 127) << 23);
   return (v16)(under ? i16v{} : (i16v)(y * pow2));
+#endif
 }
 
 struct Src { const char* p; int64_t bs, ts; };  // element strides of batch and token
@@ -175,13 +195,27 @@ inline void forward_rows(const Src& q, const Dst& out, char* weights, const v16*
     }
   }
   int64_t nmax = n[R - 1];  // the weights past n[r] are 0
-  v16 o[R][DV] = {};
-  for (int64_t j = 0; j < nmax; ++j)
+  // S interleaved sums over the keys, so that at least 8 chains of FMAs are in flight
+  // (FMA latency 4 cycles, 2 per cycle); R * DV alone can be as few as 4.
+  constexpr int S = R * DV >= 8 ? 1 : 2;
+  v16 o[S][R][DV] = {};
+  int64_t j = 0;
+  for (; j + S <= nmax; j += S)
+    for (int u = 0; u < S; ++u)
+      for (int cv = 0; cv < DV; ++cv) {
+        v16 vj = V[(j + u) * DV + cv];
+        for (int r = 0; r < R; ++r) o[u][r][cv] += splat(P[r][j + u]) * vj;
+      }
+  for (; j < nmax; ++j)
     for (int cv = 0; cv < DV; ++cv) {
       v16 vj = V[j * DV + cv];
-      for (int r = 0; r < R; ++r) o[r][cv] += splat(P[r][j]) * vj;
+      for (int r = 0; r < R; ++r) o[0][r][cv] += splat(P[r][j]) * vj;
     }
-  for (int r = 0; r < R; ++r) store_row<BF16, DV>(out, b, c, i0 + r, o[r], d);
+  for (int r = 0; r < R; ++r) {
+    for (int u = 1; u < S; ++u)
+      for (int cv = 0; cv < DV; ++cv) o[0][r][cv] += o[u][r][cv];
+    store_row<BF16, DV>(out, b, c, i0 + r, o[0][r], d);
+  }
 }
 
 // weights: (B*H, Tq, NB*16) in the inputs' dtype, each row zero-padded past Tk.
@@ -289,6 +323,285 @@ void backward(Src q, Src k, Src v, const char* weights, Src go, Dst gq, Dst gk, 
   }
 }
 
+#ifdef __AVX512BF16__
+// bfloat16 inputs on a CPU with AVX512-BF16: every product runs on vdpbf16ps, which
+// multiplies pairs of bfloat16 exactly and adds both products into a float32 lane: twice
+// the work of an FMA per instruction. Operands are laid out in pairs: (two features) for
+// Q K^T and dO V^T, (two keys) for P V and dS K, (two queries) for P^T dO and dS^T Q. The
+// same roundings to bfloat16 as forward<true>/backward<true> above; only the order in which
+// float32 sums are taken differs (and, as vdpbf16ps does, bfloat16 denormals count as 0).
+typedef uint16_t bf16;
+
+inline __m512 dot2(__m512 acc, __m512i a, uint32_t pair) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32(int(pair)));
+}
+inline __m512 dot2(__m512 acc, const void* a, uint32_t pair) {
+  return dot2(acc, _mm512_load_si512(a), pair);
+}
+inline uint32_t pair_at(const bf16* row, int m) {
+  uint32_t p;
+  std::memcpy(&p, row + 2 * m, 4);
+  return p;
+}
+// 16 lanes of (a[i], b[i]) pairs: a in the low half, as vdpbf16ps pairs them with a pair
+// of the other operand.
+inline __m512i interleave(const bf16* a, const bf16* b) {
+  __m512i lo = _mm512_cvtepu16_epi32(_mm256_load_si256((const __m256i*)a));
+  __m512i hi = _mm512_cvtepu16_epi32(_mm256_load_si256((const __m256i*)b));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+inline __m256i to_bf16(v16 x) { return (__m256i)_mm512_cvtneps_pbh((__m512)x); }
+inline v16 from_bf16(const bf16* p) {
+  return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_load_si256((const __m256i*)p)), 16);
+}
+
+// Row t of a head (d features) -> 16 DV bfloat16 at dst, zero past d; zero rows past T.
+template <int DV>
+inline void row_bf16(bf16* dst, const Src& s, int64_t b, int64_t c, int64_t t, int64_t T, int d) {
+  const bf16* row = reinterpret_cast<const bf16*>(s.p) + b * s.bs + t * s.ts + c;
+  for (int cv = 0; cv < DV; ++cv) {
+    int n = t < T ? std::clamp(d - 16 * cv, 0, 16) : 0;
+    __m256i x = _mm256_maskz_loadu_epi16(__mmask16((1u << n) - 1), row + 16 * cv);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 16 * cv), x);
+  }
+}
+template <int DV>
+inline void store_row_bf16(const Dst& o, int64_t b, int64_t c, int64_t t, const v16* x, int d) {
+  bf16* row = reinterpret_cast<bf16*>(o.p) + b * o.bs + t * o.ts + c;
+  for (int cv = 0; cv < DV; ++cv) {
+    int n = std::clamp(d - 16 * cv, 0, 16);
+    _mm256_mask_storeu_epi16(row + 16 * cv, __mmask16((1u << n) - 1), to_bf16(x[cv]));
+  }
+}
+// 16 bfloat16 of row t (features 16 cv ..), zero past d and for rows t >= T.
+inline __m256i load16(const Src& s, int64_t b, int64_t c, int64_t t, int64_t T, int d, int cv) {
+  const bf16* row = reinterpret_cast<const bf16*>(s.p) + b * s.bs + t * s.ts + c + 16 * cv;
+  int n = t < T ? std::clamp(d - 16 * cv, 0, 16) : 0;
+  return _mm256_maskz_loadu_epi16(__mmask16((1u << n) - 1), row);
+}
+// Keys in lanes, feature pairs in rows: dst[m][j] = (X[j, 2m], X[j, 2m+1]); 0 for j >= T.
+// Per 16 keys and 16 features, a 16 x 8 transpose of 32-bit pairs in registers.
+template <int NB, int DV>
+inline void pairs_by_feature(uint32_t (*dst)[NB * 16], const Src& s, int64_t b, int64_t c,
+                             int64_t T, int d) {
+  const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
+  const __m512i hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+  for (int jb = 0; jb < NB; ++jb)
+    for (int cv = 0; cv < DV; ++cv) {
+      __m512i z[8], t[8], u[8];
+      int64_t j0 = 16 * jb;
+      for (int i = 0; i < 8; ++i)  // rows i and i + 8 side by side
+        z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(load16(s, b, c, j0 + i, T, d, cv)),
+                                  load16(s, b, c, j0 + i + 8, T, d, cv), 1);
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(z[i], z[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(z[i], z[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+      }
+      // u[e] (e < 4) holds pairs e and e + 4 of rows 0-3, u[e + 4] those of rows 4-7
+      // (and of rows 8-15 in the upper half).
+      for (int e = 0; e < 4; ++e) {
+        _mm512_store_si512(&dst[8 * cv + e][j0], _mm512_permutex2var_epi64(u[e], lo, u[e + 4]));
+        _mm512_store_si512(&dst[8 * cv + e + 4][j0], _mm512_permutex2var_epi64(u[e], hi, u[e + 4]));
+      }
+    }
+}
+// Features in lanes, key pairs in rows: dst[m][cv] = (X[2m, f], X[2m+1, f]); X[T] = 0.
+template <int DV>
+inline void pairs_by_key(__m512i (*dst)[DV], const Src& s, int64_t b, int64_t c, int64_t T,
+                         int d) {
+  for (int64_t m = 0; 2 * m < T; ++m)
+    for (int cv = 0; cv < DV; ++cv) {
+      __m512i x = _mm512_cvtepu16_epi32(load16(s, b, c, 2 * m, T, d, cv));
+      __m512i y = _mm512_cvtepu16_epi32(load16(s, b, c, 2 * m + 1, T, d, cv));
+      dst[m][cv] = _mm512_or_si512(x, _mm512_slli_epi32(y, 16));
+    }
+}
+
+template <int NB, int DV>
+void forward_dp(Src q, Src k, Src v, Dst out, char* weights, int64_t B, int64_t H, int64_t Tq,
+                int64_t Tk, int d, float scale, bool causal, int threads) {
+  constexpr int W = NB * 16, M = 8 * DV, R = 4;
+  // S interleaved sums over the keys in P V, for at least 8 chains of dependent vdpbf16ps.
+  constexpr int S = R * DV >= 8 ? 1 : 2;
+#pragma omp parallel num_threads(threads)
+  {
+    alignas(64) uint32_t Kp[M][W];
+    alignas(64) __m512i Vp[W / 2][DV];
+    alignas(64) bf16 Qr[R][16 * DV], P[R][W];
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      int64_t b = bh / H, c = (bh % H) * d;
+      pairs_by_feature<NB, DV>(Kp, k, b, c, Tk, d);
+      pairs_by_key<DV>(Vp, v, b, c, Tk, d);
+      for (int64_t i0 = 0; i0 < Tq; i0 += R) {
+        // Rows past Tq are zero queries: computed, never stored.
+        for (int r = 0; r < R; ++r) row_bf16<DV>(Qr[r], q, b, c, i0 + r, Tq, d);
+        v16 s[R][NB] = {};
+        for (int m = 0; m < M; ++m)
+          for (int r = 0; r < R; ++r) {
+            uint32_t qm = pair_at(Qr[r], m);
+            for (int jb = 0; jb < NB; ++jb)
+              s[r][jb] = (v16)dot2((__m512)s[r][jb], &Kp[m][jb * 16], qm);
+          }
+        // The softmax stage by stage for the R rows together, so that the rows' independent
+        // chains (reductions, exp, the divide) overlap.
+        int64_t n[R], nmax = 0;
+        v16 mx[R], sum[R] = {};
+        for (int r = 0; r < R; ++r) {
+          n[r] = causal ? std::min(Tk, i0 + r + 1) : Tk;  // keys j >= n get weight 0
+          nmax = std::max(nmax, n[r]);
+          mx[r] = splat(-INFINITY);
+          for (int jb = 0; jb < NB; ++jb) {
+            i16v lane = i16v{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + jb * 16;
+            v16 sj = round_bf16(s[r][jb] * scale);
+            s[r][jb] = (v16)(lane < int32_t(n[r]) ? (i16v)sj : (i16v)splat(-INFINITY));
+            mx[r] = vmax(mx[r], s[r][jb]);
+          }
+        }
+        for (int r = 0; r < R; ++r) mx[r] = hmax(mx[r]);
+        for (int r = 0; r < R; ++r)
+          for (int jb = 0; jb < NB; ++jb) {
+            s[r][jb] = exp_neg(s[r][jb] - mx[r]);
+            sum[r] += s[r][jb];
+          }
+        for (int r = 0; r < R; ++r) sum[r] = 1.0f / hsum(sum[r]);
+        for (int r = 0; r < R; ++r) {
+          for (int jb = 0; jb < NB; ++jb)
+            _mm256_store_si256(reinterpret_cast<__m256i*>(&P[r][jb * 16]), to_bf16(s[r][jb] * sum[r]));
+          if (i0 + r < Tq)
+            std::memcpy(weights + (bh * Tq + i0 + r) * W * 2, P[r], W * 2);
+        }
+        v16 o[S][R][DV] = {};
+        int64_t pairs = (nmax + 1) / 2;  // P is 0 past nmax, V's row Tk is 0
+        int64_t m = 0;
+        for (; m + S <= pairs; m += S)
+          for (int u = 0; u < S; ++u)
+            for (int cv = 0; cv < DV; ++cv)
+              for (int r = 0; r < R; ++r)
+                o[u][r][cv] = (v16)dot2((__m512)o[u][r][cv], Vp[m + u][cv], pair_at(P[r], m + u));
+        for (; m < pairs; ++m)
+          for (int cv = 0; cv < DV; ++cv)
+            for (int r = 0; r < R; ++r)
+              o[0][r][cv] = (v16)dot2((__m512)o[0][r][cv], Vp[m][cv], pair_at(P[r], m));
+        for (int r = 0; r < R && i0 + r < Tq; ++r) {
+          for (int u = 1; u < S; ++u)
+            for (int cv = 0; cv < DV; ++cv) o[0][r][cv] += o[u][r][cv];
+          store_row_bf16<DV>(out, b, c, i0 + r, o[0][r], d);
+        }
+      }
+    }
+  }
+}
+
+template <int NB, int DV>
+void backward_dp(Src q, Src k, Src v, const char* weights, Src go, Dst gq, Dst gk, Dst gv,
+                 int64_t B, int64_t H, int64_t Tq, int64_t Tk, int d, float scale, int threads) {
+  constexpr int W = NB * 16, M = 8 * DV, R = 4;
+  constexpr int S = R * DV >= 8 ? 1 : 2;
+#pragma omp parallel num_threads(threads)
+  {
+    alignas(64) uint32_t Vp[M][W];
+    alignas(64) __m512i Kp[W / 2][DV];
+    alignas(64) v16 dK[W][DV], dV[W][DV];
+    alignas(64) bf16 Qr[R][16 * DV], dO[R][16 * DV], P[R][W], dS[R][W];
+    alignas(64) uint32_t Pt[R / 2][W], dSt[R / 2][W];
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      int64_t b = bh / H, c = (bh % H) * d;
+      pairs_by_feature<NB, DV>(Vp, v, b, c, Tk, d);
+      pairs_by_key<DV>(Kp, k, b, c, Tk, d);
+      std::memset(static_cast<void*>(dK), 0, sizeof(dK));
+      std::memset(static_cast<void*>(dV), 0, sizeof(dV));
+      for (int64_t i0 = 0; i0 < Tq; i0 += R) {
+        // Rows past Tq: zero P, dO and Q, so they add nothing to dK and dV.
+        for (int r = 0; r < R; ++r) {
+          row_bf16<DV>(Qr[r], q, b, c, i0 + r, Tq, d);
+          row_bf16<DV>(dO[r], go, b, c, i0 + r, Tq, d);
+          if (i0 + r < Tq)
+            std::memcpy(P[r], weights + (bh * Tq + i0 + r) * W * 2, W * 2);
+          else
+            std::memset(P[r], 0, W * 2);
+        }
+        // dP[i, :] = dO[i] V^T
+        v16 dp[R][NB] = {};
+        for (int m = 0; m < M; ++m)
+          for (int r = 0; r < R; ++r) {
+            uint32_t om = pair_at(dO[r], m);
+            for (int jb = 0; jb < NB; ++jb)
+              dp[r][jb] = (v16)dot2((__m512)dp[r][jb], &Vp[m][jb * 16], om);
+          }
+        // dS = P * (dP - rowsum(dP * P))
+        for (int r = 0; r < R; ++r) {
+          v16 pv[NB], dot = {};
+          for (int jb = 0; jb < NB; ++jb) {
+            pv[jb] = from_bf16(&P[r][jb * 16]);
+            dp[r][jb] = round_bf16(dp[r][jb]);
+            dot += dp[r][jb] * pv[jb];
+          }
+          dot = hsum(dot);
+          for (int jb = 0; jb < NB; ++jb)
+            _mm256_store_si256(reinterpret_cast<__m256i*>(&dS[r][jb * 16]),
+                               to_bf16(pv[jb] * (dp[r][jb] - dot)));
+        }
+        // dQ[i] = scale dS[i, :] K
+        v16 dq[S][R][DV] = {};
+        int64_t pairs = (Tk + 1) / 2, m = 0;
+        for (; m + S <= pairs; m += S)
+          for (int u = 0; u < S; ++u)
+            for (int cv = 0; cv < DV; ++cv)
+              for (int r = 0; r < R; ++r)
+                dq[u][r][cv] = (v16)dot2((__m512)dq[u][r][cv], Kp[m + u][cv], pair_at(dS[r], m + u));
+        for (; m < pairs; ++m)
+          for (int cv = 0; cv < DV; ++cv)
+            for (int r = 0; r < R; ++r)
+              dq[0][r][cv] = (v16)dot2((__m512)dq[0][r][cv], Kp[m][cv], pair_at(dS[r], m));
+        for (int r = 0; r < R && i0 + r < Tq; ++r) {
+          for (int cv = 0; cv < DV; ++cv) {
+            for (int u = 1; u < S; ++u) dq[0][r][cv] += dq[u][r][cv];
+            dq[0][r][cv] *= scale;
+          }
+          store_row_bf16<DV>(gq, b, c, i0 + r, dq[0][r], d);
+        }
+        // dV[j] += P[i, j] dO[i];  dK[j] += dS[i, j] Q[i]: pairs of queries
+        __m512i dOp[R / 2][DV], Qp[R / 2][DV];
+        for (int h = 0; h < R / 2; ++h) {
+          for (int cv = 0; cv < DV; ++cv) {
+            dOp[h][cv] = interleave(dO[2 * h] + 16 * cv, dO[2 * h + 1] + 16 * cv);
+            Qp[h][cv] = interleave(Qr[2 * h] + 16 * cv, Qr[2 * h + 1] + 16 * cv);
+          }
+          for (int jb = 0; jb < NB; ++jb) {
+            _mm512_store_si512(&Pt[h][jb * 16], interleave(&P[2 * h][jb * 16], &P[2 * h + 1][jb * 16]));
+            _mm512_store_si512(&dSt[h][jb * 16],
+                               interleave(&dS[2 * h][jb * 16], &dS[2 * h + 1][jb * 16]));
+          }
+        }
+        for (int64_t j = 0; j < Tk; ++j)
+          for (int cv = 0; cv < DV; ++cv) {
+            __m512 dv = (__m512)dV[j][cv], dk = (__m512)dK[j][cv];
+            for (int h = 0; h < R / 2; ++h) {
+              dv = dot2(dv, dOp[h][cv], Pt[h][j]);
+              dk = dot2(dk, Qp[h][cv], dSt[h][j]);
+            }
+            dV[j][cv] = (v16)dv;
+            dK[j][cv] = (v16)dk;
+          }
+      }
+      for (int64_t j = 0; j < Tk; ++j) {
+        for (int cv = 0; cv < DV; ++cv) dK[j][cv] *= scale;
+        store_row_bf16<DV>(gk, b, c, j, dK[j], d);
+        store_row_bf16<DV>(gv, b, c, j, dV[j], d);
+      }
+    }
+  }
+}
+#endif  // __AVX512BF16__
+
 }  // namespace
 
 // Built once per (NB, DV): NB 16-lane blocks of keys (Tk <= 16 NB), DV of head features.
@@ -305,7 +618,11 @@ void attn_forward(int bf16, const void* q, int64_t qbs, int64_t qts, const void*
                   int64_t kts, const void* v, int64_t vbs, int64_t vts, void* out, int64_t obs,
                   int64_t ots, void* weights, int64_t B, int64_t H, int64_t Tq, int64_t Tk,
                   int64_t d, float scale, int causal, int threads) {
+#ifdef __AVX512BF16__
+  auto f = bf16 ? forward_dp<ATTN_NB, ATTN_DV> : forward<false, ATTN_NB, ATTN_DV>;
+#else
   auto f = bf16 ? forward<true, ATTN_NB, ATTN_DV> : forward<false, ATTN_NB, ATTN_DV>;
+#endif
   f({(const char*)q, qbs, qts}, {(const char*)k, kbs, kts}, {(const char*)v, vbs, vts},
     {(char*)out, obs, ots}, (char*)weights, B, H, Tq, Tk, int(d), scale, causal, threads);
 }
@@ -315,7 +632,11 @@ void attn_backward(int bf16, const void* q, int64_t qbs, int64_t qts, const void
                    int64_t gqts, void* gk, int64_t gkbs, int64_t gkts, void* gv, int64_t gvbs,
                    int64_t gvts, int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t d,
                    float scale, int threads) {
+#ifdef __AVX512BF16__
+  auto f = bf16 ? backward_dp<ATTN_NB, ATTN_DV> : backward<false, ATTN_NB, ATTN_DV>;
+#else
   auto f = bf16 ? backward<true, ATTN_NB, ATTN_DV> : backward<false, ATTN_NB, ATTN_DV>;
+#endif
   f({(const char*)q, qbs, qts}, {(const char*)k, kbs, kts}, {(const char*)v, vbs, vts},
     (const char*)weights, {(const char*)go, gobs, gots}, {(char*)gq, gqbs, gqts},
     {(char*)gk, gkbs, gkts}, {(char*)gv, gvbs, gvts}, B, H, Tq, Tk, int(d), scale, threads);

@@ -127,34 +127,173 @@ def _library(blocks: int, vectors: int) -> ctypes.CDLL | None:
     return lib
 
 
+@torch.compiler.assume_constant_result
+def _ready(dtype: torch.dtype, t_q: int, t_k: int, head_dim: int) -> bool:
+    # Python values in, a bool out, so that torch.compile takes the answer as a constant
+    # at tracing time instead of tracing the build and the ctypes load.
+    return (
+        enabled()
+        and dtype in _DTYPES
+        and 1 <= t_q <= MAX_TOKENS
+        and 1 <= t_k <= MAX_TOKENS
+        and 1 <= head_dim <= MAX_HEAD_DIM
+        and _library(*_shape_class(t_k, head_dim)) is not None
+    )
+
+
+def _shape_class(t_k: int, head_dim: int) -> tuple[int, int]:
+    vectors = -(-head_dim // 16)
+    return -(-t_k // 16), 4 if vectors == 3 else vectors
+
+
+def usable(q_src: torch.Tensor, kv_src: torch.Tensor | None, num_heads: int) -> bool:
+    """Whether the kernel takes these inputs (it is built on the first call that asks).
+
+    ``q_src``: the packed projection (B, T, 3*D) when ``kv_src`` is None, else the queries
+    (B, T_q, D) with ``kv_src`` the keys and values (B, T_k, 2*D). Works under
+    ``torch.compile``, which records the answer as a constant.
+    """
+    kv = q_src if kv_src is None else kv_src
+    tensors = (q_src,) if kv_src is None else (q_src, kv_src)
+    return (
+        all(t.device.type == "cpu" and t.dim() == 3 and t.stride(-1) == 1 for t in tensors)
+        and kv.dtype == q_src.dtype
+        and _ready(
+            q_src.dtype,
+            q_src.shape[1],
+            kv.shape[1],
+            kv.shape[-1] // (3 if kv_src is None else 2) // num_heads,
+        )
+    )
+
+
 def kernel_for(
     q_src: torch.Tensor, kv_src: torch.Tensor | None, num_heads: int
 ) -> ctypes.CDLL | None:
-    """The built kernel for these inputs, or None where it does not apply.
-
-    ``q_src``: the packed projection (B, T, 3*D) when ``kv_src`` is None, else the queries
-    (B, T_q, D) with ``kv_src`` the keys and values (B, T_k, 2*D).
-    """
+    """The built kernel for these inputs (see :func:`usable`), or None where it does not
+    apply."""
+    if not usable(q_src, kv_src, num_heads):
+        return None
     kv = q_src if kv_src is None else kv_src
     head_dim = kv.shape[-1] // (3 if kv_src is None else 2) // num_heads
-    tensors = (q_src,) if kv_src is None else (q_src, kv_src)
-    if not (
-        enabled()
-        and all(t.device.type == "cpu" and t.dim() == 3 and t.stride(-1) == 1 for t in tensors)
-        and q_src.dtype in _DTYPES
-        and kv.dtype == q_src.dtype
-        and 1 <= q_src.shape[1] <= MAX_TOKENS
-        and 1 <= kv.shape[1] <= MAX_TOKENS
-        and 1 <= head_dim <= MAX_HEAD_DIM
-    ):
-        return None
-    vectors = -(-head_dim // 16)
-    return _library(-(-kv.shape[1] // 16), 4 if vectors == 3 else vectors)
+    return _library(*_shape_class(kv.shape[1], head_dim))
 
 
 def _rows(t: torch.Tensor, offset: int = 0) -> list[int]:
     """A pointer to element ``offset`` of row 0, and the batch and token strides (elements)."""
     return [t.data_ptr() + offset * t.element_size(), t.stride(0), t.stride(1)]
+
+
+def _split(q_src: torch.Tensor, kv_src: torch.Tensor | None) -> tuple[torch.Tensor, int, int]:
+    """The keys' and values' tensor, the model width D and the keys' column offset."""
+    kv = q_src if kv_src is None else kv_src
+    dim = kv.shape[-1] // (3 if kv_src is None else 2)
+    return kv, dim, dim if kv_src is None else 0
+
+
+# The kernel as two operators of torch's own, so that torch.compile (inductor) calls it as
+# an opaque kernel and fuses the operations around it, and so that it is traced, exported
+# and dispatched as any other operator.
+@torch.library.custom_op("vit_mnist::attention_forward", mutates_args=(), device_types="cpu")
+def attention_forward(
+    q_src: torch.Tensor,
+    kv_src: torch.Tensor | None,
+    num_heads: int,
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's forward: (output (B, T_q, D), weights (B*h, T_q, T_k rounded up to 16)).
+
+    Inputs as :class:`FusedCPUAttention`. Raises RuntimeError where the kernel cannot take
+    them (check :func:`usable` first).
+    """
+    lib = kernel_for(q_src, kv_src, num_heads)
+    if lib is None:
+        raise RuntimeError("the fused CPU attention kernel cannot take these inputs")
+    kv, dim, k_off = _split(q_src, kv_src)
+    out, weights = _empty_outputs(q_src, kv, dim, num_heads)
+    b, t_q = q_src.shape[:2]
+    lib.attn_forward(
+        _DTYPES[q_src.dtype],
+        *_rows(q_src),
+        *_rows(kv, k_off),
+        *_rows(kv, k_off + dim),
+        *_rows(out),
+        weights.data_ptr(),
+        b,
+        num_heads,
+        t_q,
+        kv.shape[1],
+        dim // num_heads,
+        scale,
+        int(causal),
+        torch.get_num_threads(),
+    )
+    return out, weights
+
+
+def _empty_outputs(q_src, kv, dim, num_heads):
+    b, t_q = q_src.shape[:2]
+    out = q_src.new_empty(b, t_q, dim)
+    weights = q_src.new_empty(b * num_heads, t_q, -(-kv.shape[1] // 16) * 16)
+    return out, weights
+
+
+@attention_forward.register_fake
+def _(q_src, kv_src, num_heads, scale, causal):
+    kv, dim, _ = _split(q_src, kv_src)
+    return _empty_outputs(q_src, kv, dim, num_heads)
+
+
+@torch.library.custom_op("vit_mnist::attention_backward", mutates_args=(), device_types="cpu")
+def attention_backward(
+    grad_out: torch.Tensor,
+    q_src: torch.Tensor,
+    kv_src: torch.Tensor | None,
+    weights: torch.Tensor,
+    num_heads: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's backward: the gradients of ``q_src`` and ``kv_src`` (an empty tensor
+    for the packed form, whose one gradient is the first)."""
+    lib = kernel_for(q_src, kv_src, num_heads)
+    if lib is None:
+        raise RuntimeError("the fused CPU attention kernel cannot take these inputs")
+    kv, dim, k_off = _split(q_src, kv_src)
+    grad_out = grad_out.contiguous()
+    grad_q_src, grad_kv_src = _empty_grads(q_src, kv_src)
+    grad_kv = grad_q_src if kv_src is None else grad_kv_src
+    b, t_q = grad_out.shape[:2]
+    lib.attn_backward(
+        _DTYPES[q_src.dtype],
+        *_rows(q_src),
+        *_rows(kv, k_off),
+        *_rows(kv, k_off + dim),
+        weights.data_ptr(),
+        *_rows(grad_out),
+        *_rows(grad_q_src),
+        *_rows(grad_kv, k_off),
+        *_rows(grad_kv, k_off + dim),
+        b,
+        num_heads,
+        t_q,
+        kv.shape[1],
+        dim // num_heads,
+        scale,
+        torch.get_num_threads(),
+    )
+    return grad_q_src, grad_kv_src
+
+
+def _empty_grads(q_src, kv_src):
+    # The packed form's one gradient is laid out as the qkv projection's output.
+    grad_kv_src = q_src.new_empty(0) if kv_src is None else torch.empty_like(kv_src)
+    return torch.empty_like(q_src), grad_kv_src
+
+
+@attention_backward.register_fake
+def _(grad_out, q_src, kv_src, weights, num_heads, scale):
+    return _empty_grads(q_src, kv_src)
 
 
 class FusedCPUAttention(torch.autograd.Function):
@@ -163,72 +302,26 @@ class FusedCPUAttention(torch.autograd.Function):
     Inputs: ``q_src`` (B, T, 3*D) is the qkv projection, Q, K and V side by side and heads
     within each (as ``MultiHeadSelfAttention.qkv`` makes it), when ``kv_src`` is None;
     otherwise ``q_src`` (B, T_q, D) holds the queries and ``kv_src`` (B, T_k, 2*D) the keys
-    and values. float32 or bfloat16, last dimension contiguous. ``lib`` comes from
-    :func:`kernel_for`. Query i is token i, for the causal mask.
+    and values. float32 or bfloat16, last dimension contiguous; :func:`usable` must be
+    true. Query i is token i, for the causal mask.
 
     Output: (B, T_q, D), heads concatenated (``Concat(head_1..head_h)``, ready for W^O).
     Saves the weights (B*h, T_q, T_k rounded up to 16) in the inputs' dtype for backward.
     """
 
     @staticmethod
-    def forward(ctx, q_src, kv_src, lib, num_heads: int, scale: float, causal: bool):  # noqa: D102
-        packed = kv_src is None
-        kv = q_src if packed else kv_src
-        dim = kv.shape[-1] // (3 if packed else 2)
-        k_off = dim if packed else 0
-        b, t_q = q_src.shape[:2]
-        t_k = kv.shape[1]
-        out = q_src.new_empty(b, t_q, dim)
-        weights = q_src.new_empty(b * num_heads, t_q, -(-t_k // 16) * 16)
-        lib.attn_forward(
-            _DTYPES[q_src.dtype],
-            *_rows(q_src),
-            *_rows(kv, k_off),
-            *_rows(kv, k_off + dim),
-            *_rows(out),
-            weights.data_ptr(),
-            b,
-            num_heads,
-            t_q,
-            t_k,
-            dim // num_heads,
-            scale,
-            int(causal),
-            torch.get_num_threads(),
-        )
+    def forward(ctx, q_src, kv_src, num_heads: int, scale: float, causal: bool):  # noqa: D102
+        out, weights = attention_forward(q_src, kv_src, num_heads, scale, causal)
         ctx.save_for_backward(q_src, kv_src, weights)
-        ctx.meta = (lib, num_heads, dim, k_off, scale, t_k)
+        ctx.meta = (num_heads, scale)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):  # noqa: D102
         q_src, kv_src, weights = ctx.saved_tensors
-        lib, num_heads, dim, k_off, scale, t_k = ctx.meta
-        packed = kv_src is None
-        kv = q_src if packed else kv_src
-        grad_out = grad_out.contiguous()
-        b, t_q = grad_out.shape[:2]
-        if packed:  # one gradient, laid out as the qkv projection's output
-            grad_q_src = grad_kv_src = torch.empty_like(q_src)
-        else:
-            grad_q_src, grad_kv_src = torch.empty_like(q_src), torch.empty_like(kv_src)
-        lib.attn_backward(
-            _DTYPES[q_src.dtype],
-            *_rows(q_src),
-            *_rows(kv, k_off),
-            *_rows(kv, k_off + dim),
-            weights.data_ptr(),
-            *_rows(grad_out),
-            *_rows(grad_q_src),
-            *_rows(grad_kv_src, k_off),
-            *_rows(grad_kv_src, k_off + dim),
-            b,
-            num_heads,
-            t_q,
-            t_k,
-            dim // num_heads,
-            scale,
-            torch.get_num_threads(),
+        num_heads, scale = ctx.meta
+        grad_q_src, grad_kv_src = attention_backward(
+            grad_out, q_src, kv_src, weights, num_heads, scale
         )
-        return grad_q_src, None if packed else grad_kv_src, None, None, None, None
+        return grad_q_src, None if kv_src is None else grad_kv_src, None, None, None
