@@ -51,12 +51,20 @@ def test_kernel_gives_the_explicit_paths_numbers_in_float32(tokens, embed_dim, n
 
 @needs_kernel
 @pytest.mark.parametrize("causal", [False, True])
-def test_kernel_gives_the_explicit_paths_numbers_under_bf16_autocast(causal):
+@pytest.mark.parametrize(
+    "tokens,embed_dim,num_heads", [(50, 64, 4), (17, 16, 2), (65, 40, 2), (33, 96, 3), (50, 10, 2)]
+)
+def test_kernel_gives_the_explicit_paths_numbers_under_bf16_autocast(
+    tokens, embed_dim, num_heads, causal
+):
     # The same roundings to bfloat16 as the explicit path; a sum taken in another order can
-    # land one bfloat16 step (2**-8 relative) away.
+    # land one bfloat16 step (2**-8 relative) away. Odd head_dim (5) and token counts
+    # exercise the kernel's pairs of features, keys and queries.
     torch.manual_seed(0)
-    attn = MultiHeadSelfAttention(embed_dim=64, num_heads=4, causal=causal, impl="explicit")
-    x = torch.randn(4, 50, 64, requires_grad=True)
+    attn = MultiHeadSelfAttention(
+        embed_dim=embed_dim, num_heads=num_heads, causal=causal, impl="explicit"
+    )
+    x = torch.randn(4, tokens, embed_dim, requires_grad=True)
     for cls in (False, True):
         fast, slow = both_ways(attn, x, bf16=True, cls=cls)
         params = [x, attn.qkv.weight, attn.proj.weight]
@@ -131,3 +139,42 @@ def test_without_a_compiler_it_warns_and_the_explicit_path_runs(monkeypatch, tmp
         assert not any((tmp_path / "kernels").glob("*"))  # nothing half-built left behind
     finally:
         native._library.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("packed", [True, False])
+def test_kernel_operators_match_their_fake_versions(packed):
+    # torch.compile plans memory from the fake (meta) versions: shapes, dtypes and strides
+    # must be the real ones'. AOT-traced like inductor's inputs, without grad.
+    q_src = torch.randn(2, 17, 3 * 32 if packed else 32)
+    kv_src = None if packed else torch.randn(2, 9, 2 * 32)
+    fwd = torch.ops.vit_mnist.attention_forward.default
+    tests = ("test_schema", "test_faketensor")
+    torch.library.opcheck(fwd, (q_src, kv_src, 2, 0.25, False), test_utils=tests)
+    out, weights = fwd(q_src, kv_src, 2, 0.25, False)
+    bwd = torch.ops.vit_mnist.attention_backward.default
+    args = (torch.randn_like(out), q_src, kv_src, weights, 2, 0.25)
+    torch.library.opcheck(bwd, args, test_utils=tests)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bf16", [False, True])
+def test_torch_compile_calls_the_kernel_and_gives_eagers_numbers(bf16):
+    # aot_eager: dynamo and AOTAutograd trace the model as inductor receives it (no graph
+    # break at the kernel), without inductor's half minute of code generation.
+    torch.manual_seed(0)
+    attn = MultiHeadSelfAttention(embed_dim=32, num_heads=2, impl="explicit")
+    compiled = torch.compile(attn, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 17, 32, requires_grad=True)
+    outs = []
+    for model in (compiled, attn):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            outs.append(model(x).float())
+    params = [x, attn.qkv.weight, attn.proj.weight]
+    assert_same_values_and_gradients(*outs, params, atol=0, rtol=0)
+    with torch.profiler.profile() as prof:  # compiled by now: one call of the kernel each way
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            compiled(x).sum().backward()
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("vit_mnist::attention_forward") == 1
+    assert calls.get("vit_mnist::attention_backward") == 1
