@@ -12,7 +12,9 @@
 // same roundings to bfloat16: the scores, the weights, the output, dP, dS and the gradients),
 // so results agree to float32 rounding, or to one bfloat16 step where a sum's order differs.
 //
-// Written with GCC/Clang vector extensions (16 float lanes), compiled with -march=native.
+// Written with GCC/Clang vector extensions (16 float lanes), compiled with -march=native;
+// on a CPU with AVX512-BF16, bfloat16 inputs take forward_dp/backward_dp, whose products run
+// on vdpbf16ps (two bf16 products per float32 lane per instruction).
 // OpenMP splits the (image, head) pairs over threads; built with -fopenmp, the library
 // shares the OpenMP runtime torch has already loaded (the same soname), so its threads are
 // torch's.

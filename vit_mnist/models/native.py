@@ -3,8 +3,13 @@
 On the CPU, the explicit path's training step, softmax(Q K^T * scale) V and its backward,
 runs in one C++ kernel per (image, head) instead of a dozen PyTorch operations. At the
 default architecture (50 tokens, head_dim 16, batch 256, 2-core Zen 5) it made a training
-step 1.20x faster in float32 and 1.10x in bf16 (docs/benchmarks.md); the numbers are the
-explicit path's, to float32 rounding (to a bfloat16 step under bf16 autocast).
+step 1.17x faster in float32 and 1.24x in bf16 (docs/benchmarks.md, commit 123e002); the
+numbers are the explicit path's, to float32 rounding (under bf16 autocast, bit for bit on
+a CPU with AVX512-BF16, else to a bfloat16 step).
+
+Eager code calls it through :class:`FusedCPUAttention`; ``torch.compile`` sees it as two
+custom operators, ``vit_mnist::attention_forward`` and ``vit_mnist::attention_backward``,
+and fuses the operations around them.
 
 The kernel is compiled on first use with the system's C++ compiler (``$CXX``, else ``c++``,
 ``g++`` or ``clang++``) for this CPU (``-march=native``) and OpenMP, then cached under
