@@ -95,7 +95,7 @@ inline v16 hsum(v16 x) {
 }
 
 // exp(x) for lanes x <= 0: Cephes expf (Cody-Waite reduction, degree-6 polynomial, about
-// 1 ulp). Lanes below -87.3, -inf included, give 0.
+// 1 ulp). Lanes below -87.3 (-104 where AVX-512 scales by 2^n), -inf included, give 0.
 inline v16 exp_neg(v16 x) {
 #ifdef __AVX512F__
   // vscalefps multiplies by 2^n, underflowing to 0 itself, and vrndscaleps rounds n: six

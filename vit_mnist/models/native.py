@@ -196,9 +196,9 @@ def _split(q_src: torch.Tensor, kv_src: torch.Tensor | None) -> tuple[torch.Tens
     return kv, dim, dim if kv_src is None else 0
 
 
-# The kernel as two operators of torch's own, so that torch.compile (inductor) calls it as
-# an opaque kernel and fuses the operations around it, and so that it is traced, exported
-# and dispatched as any other operator.
+# The kernel as two operators of torch's own, so that torch.compile (dynamo, AOTAutograd,
+# inductor) traces it like any other operator, from its fake version, and calls it as an
+# opaque kernel while it fuses the operations around it.
 @torch.library.custom_op("vit_mnist::attention_forward", mutates_args=(), device_types="cpu")
 def attention_forward(
     q_src: torch.Tensor,
