@@ -13,6 +13,12 @@ def kernel_builds() -> bool:
     return native.kernel_for(torch.zeros(1, 1, 48), None, 1) is not None
 
 
+# Where the kernel's bf16 products run on vdpbf16ps and oneDNN's do too (no AMX tiles, whose
+# sums may be taken in another order), the kernel has given the PyTorch path's exact bits
+# (README, "The model"); elsewhere, within a bf16 step.
+_FLAGS = native._cpu_identity().split()
+AVX512_BF16 = "avx512_bf16" in _FLAGS and "amx_bf16" not in _FLAGS
+
 needs_kernel = pytest.mark.skipif(
     not kernel_builds(),
     reason="the fused CPU attention kernel cannot be built here (no C++ compiler or OpenMP)",
@@ -68,7 +74,10 @@ def test_kernel_gives_the_explicit_paths_numbers_under_bf16_autocast(
     for cls in (False, True):
         fast, slow = both_ways(attn, x, bf16=True, cls=cls)
         params = [x, attn.qkv.weight, attn.proj.weight]
-        assert_same_values_and_gradients(fast, slow, params, atol=2e-2, rtol=2e-2)
+        if AVX512_BF16:
+            assert_same_values_and_gradients(fast, slow, params, atol=0, rtol=0)
+        else:
+            assert_same_values_and_gradients(fast, slow, params, atol=2e-2, rtol=2e-2)
         # Most elements are bit-identical: the kernel is not merely close.
         assert (fast == slow).float().mean() > 0.9
 
@@ -145,7 +154,7 @@ def test_without_a_compiler_it_warns_and_the_explicit_path_runs(monkeypatch, tmp
 @pytest.mark.parametrize("packed", [True, False])
 def test_kernel_operators_match_their_fake_versions(packed):
     # torch.compile plans memory from the fake (meta) versions: shapes, dtypes and strides
-    # must be the real ones'. AOT-traced like inductor's inputs, without grad.
+    # must be the real ones'. Inputs without grad, as AOTAutograd calls the operators.
     q_src = torch.randn(2, 17, 3 * 32 if packed else 32)
     kv_src = None if packed else torch.randn(2, 9, 2 * 32)
     fwd = torch.ops.vit_mnist.attention_forward.default
