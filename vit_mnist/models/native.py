@@ -196,6 +196,23 @@ def _split(q_src: torch.Tensor, kv_src: torch.Tensor | None) -> tuple[torch.Tens
     return kv, dim, dim if kv_src is None else 0
 
 
+def _kernel(q_src: torch.Tensor, kv_src: torch.Tensor | None, num_heads: int) -> ctypes.CDLL:
+    lib = kernel_for(q_src, kv_src, num_heads)
+    if lib is None:
+        raise RuntimeError("the fused CPU attention kernel cannot take these inputs")
+    return lib
+
+
+def _kv_rows(t: torch.Tensor, k_off: int, dim: int) -> list[int]:
+    """:func:`_rows` of the keys' columns of ``t``, then of the values' (``dim`` later)."""
+    return [*_rows(t, k_off), *_rows(t, k_off + dim)]
+
+
+def _sizes(q_src: torch.Tensor, kv: torch.Tensor, dim: int, num_heads: int) -> list[int]:
+    """B, h, T_q, T_k and head_dim, as both entry points of the kernel take them."""
+    return [q_src.shape[0], num_heads, q_src.shape[1], kv.shape[1], dim // num_heads]
+
+
 # The kernel as two operators of torch's own, so that torch.compile (dynamo, AOTAutograd,
 # inductor) traces it like any other operator, from its fake version, and calls it as an
 # opaque kernel while it fuses the operations around it.
@@ -212,24 +229,16 @@ def attention_forward(
     Inputs as :class:`FusedCPUAttention`. Raises RuntimeError where the kernel cannot take
     them (check :func:`usable` first).
     """
-    lib = kernel_for(q_src, kv_src, num_heads)
-    if lib is None:
-        raise RuntimeError("the fused CPU attention kernel cannot take these inputs")
+    lib = _kernel(q_src, kv_src, num_heads)
     kv, dim, k_off = _split(q_src, kv_src)
     out, weights = _empty_outputs(q_src, kv, dim, num_heads)
-    b, t_q = q_src.shape[:2]
     lib.attn_forward(
         _DTYPES[q_src.dtype],
         *_rows(q_src),
-        *_rows(kv, k_off),
-        *_rows(kv, k_off + dim),
+        *_kv_rows(kv, k_off, dim),
         *_rows(out),
         weights.data_ptr(),
-        b,
-        num_heads,
-        t_q,
-        kv.shape[1],
-        dim // num_heads,
+        *_sizes(q_src, kv, dim, num_heads),
         scale,
         int(causal),
         torch.get_num_threads(),
@@ -261,29 +270,20 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's backward: the gradients of ``q_src`` and ``kv_src`` (an empty tensor
     for the packed form, whose one gradient is the first)."""
-    lib = kernel_for(q_src, kv_src, num_heads)
-    if lib is None:
-        raise RuntimeError("the fused CPU attention kernel cannot take these inputs")
+    lib = _kernel(q_src, kv_src, num_heads)
     kv, dim, k_off = _split(q_src, kv_src)
     grad_out = grad_out.contiguous()
     grad_q_src, grad_kv_src = _empty_grads(q_src, kv_src)
     grad_kv = grad_q_src if kv_src is None else grad_kv_src
-    b, t_q = grad_out.shape[:2]
     lib.attn_backward(
         _DTYPES[q_src.dtype],
         *_rows(q_src),
-        *_rows(kv, k_off),
-        *_rows(kv, k_off + dim),
+        *_kv_rows(kv, k_off, dim),
         weights.data_ptr(),
         *_rows(grad_out),
         *_rows(grad_q_src),
-        *_rows(grad_kv, k_off),
-        *_rows(grad_kv, k_off + dim),
-        b,
-        num_heads,
-        t_q,
-        kv.shape[1],
-        dim // num_heads,
+        *_kv_rows(grad_kv, k_off, dim),
+        *_sizes(q_src, kv, dim, num_heads),
         scale,
         torch.get_num_threads(),
     )
