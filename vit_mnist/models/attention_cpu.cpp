@@ -44,11 +44,12 @@ inline v16 round_bf16(v16 x) {
   // One instruction where the CPU has it; it also flushes denormals (below 1.2e-38) to 0.
   h16v h = (h16v)_mm512_cvtneps_pbh((__m512)x);
   return (v16)(__builtin_convertvector(h, u16v) << 16);
-#endif
+#else
   u16v u = (u16v)x;
   u16v r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
   i16v nan = (u & 0x7fffffffu) > 0x7f800000u;
   return (v16)(nan ? (i16v)((u | 0x00400000u) & 0xffff0000u) : (i16v)r);
+#endif
 }
 template <bool BF16> inline v16 rnd(v16 x) {
   if constexpr (BF16) return round_bf16(x); else return x;
@@ -353,33 +354,18 @@ inline __m512i interleave(const bf16* a, const bf16* b) {
   return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
 }
 inline __m256i to_bf16(v16 x) { return (__m256i)_mm512_cvtneps_pbh((__m512)x); }
-inline v16 from_bf16(const bf16* p) {
-  return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_load_si256((const __m256i*)p)), 16);
-}
 
-// Row t of a head (d features) -> 16 DV bfloat16 at dst, zero past d; zero rows past T.
-template <int DV>
-inline void row_bf16(bf16* dst, const Src& s, int64_t b, int64_t c, int64_t t, int64_t T, int d) {
-  const bf16* row = reinterpret_cast<const bf16*>(s.p) + b * s.bs + t * s.ts + c;
-  for (int cv = 0; cv < DV; ++cv) {
-    int n = t < T ? std::clamp(d - 16 * cv, 0, 16) : 0;
-    __m256i x = _mm256_maskz_loadu_epi16(__mmask16((1u << n) - 1), row + 16 * cv);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 16 * cv), x);
-  }
-}
-template <int DV>
-inline void store_row_bf16(const Dst& o, int64_t b, int64_t c, int64_t t, const v16* x, int d) {
-  bf16* row = reinterpret_cast<bf16*>(o.p) + b * o.bs + t * o.ts + c;
-  for (int cv = 0; cv < DV; ++cv) {
-    int n = std::clamp(d - 16 * cv, 0, 16);
-    _mm256_mask_storeu_epi16(row + 16 * cv, __mmask16((1u << n) - 1), to_bf16(x[cv]));
-  }
-}
 // 16 bfloat16 of row t (features 16 cv ..), zero past d and for rows t >= T.
 inline __m256i load16(const Src& s, int64_t b, int64_t c, int64_t t, int64_t T, int d, int cv) {
   const bf16* row = reinterpret_cast<const bf16*>(s.p) + b * s.bs + t * s.ts + c + 16 * cv;
   int n = t < T ? std::clamp(d - 16 * cv, 0, 16) : 0;
   return _mm256_maskz_loadu_epi16(__mmask16((1u << n) - 1), row);
+}
+// Row t of a head -> 16 DV bfloat16 at dst, as load16.
+template <int DV>
+inline void row_bf16(bf16* dst, const Src& s, int64_t b, int64_t c, int64_t t, int64_t T, int d) {
+  for (int cv = 0; cv < DV; ++cv)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 16 * cv), load16(s, b, c, t, T, d, cv));
 }
 // Keys in lanes, feature pairs in rows: dst[m][j] = (X[j, 2m], X[j, 2m+1]); 0 for j >= T.
 // Per 16 keys and 16 features, a 16 x 8 transpose of 32-bit pairs in registers.
@@ -425,12 +411,47 @@ inline void pairs_by_key(__m512i (*dst)[DV], const Src& s, int64_t b, int64_t c,
     }
 }
 
+// acc[r][jb] += rows[r] . X's column block jb, over M feature pairs: Q K^T and dO V^T, with
+// X from pairs_by_feature (keys in lanes).
+template <int R, int NB, int M, int DV>
+inline void times_feature_pairs(v16 (&acc)[R][NB], const uint32_t (*X)[NB * 16],
+                                const bf16 (&rows)[R][16 * DV]) {
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair = pair_at(rows[r], m);
+      for (int jb = 0; jb < NB; ++jb)
+        acc[r][jb] = (v16)dot2((__m512)acc[r][jb], &X[m][jb * 16], pair);
+    }
+}
+// out[r] = sum over the first `pairs` key pairs m of rows[r]'s pair m times X[m]: P V and
+// dS K, with X from pairs_by_key (features in lanes). S interleaved sums over the keys keep
+// at least 8 chains of dependent vdpbf16ps in flight; R * DV alone can be as few as 4.
+template <int R, int DV, int W>
+inline void times_key_pairs(v16 (&out)[R][DV], const __m512i (*X)[DV],
+                            const bf16 (&rows)[R][W], int64_t pairs) {
+  constexpr int S = R * DV >= 8 ? 1 : 2;
+  v16 acc[S][R][DV] = {};
+  int64_t m = 0;
+  for (; m + S <= pairs; m += S)
+    for (int u = 0; u < S; ++u)
+      for (int cv = 0; cv < DV; ++cv)
+        for (int r = 0; r < R; ++r)
+          acc[u][r][cv] = (v16)dot2((__m512)acc[u][r][cv], X[m + u][cv], pair_at(rows[r], m + u));
+  for (; m < pairs; ++m)
+    for (int cv = 0; cv < DV; ++cv)
+      for (int r = 0; r < R; ++r)
+        acc[0][r][cv] = (v16)dot2((__m512)acc[0][r][cv], X[m][cv], pair_at(rows[r], m));
+  for (int r = 0; r < R; ++r)
+    for (int cv = 0; cv < DV; ++cv) {
+      out[r][cv] = acc[0][r][cv];
+      for (int u = 1; u < S; ++u) out[r][cv] += acc[u][r][cv];
+    }
+}
+
 template <int NB, int DV>
 void forward_dp(Src q, Src k, Src v, Dst out, char* weights, int64_t B, int64_t H, int64_t Tq,
                 int64_t Tk, int d, float scale, bool causal, int threads) {
   constexpr int W = NB * 16, M = 8 * DV, R = 4;
-  // S interleaved sums over the keys in P V, for at least 8 chains of dependent vdpbf16ps.
-  constexpr int S = R * DV >= 8 ? 1 : 2;
 #pragma omp parallel num_threads(threads)
   {
     alignas(64) uint32_t Kp[M][W];
@@ -445,12 +466,7 @@ void forward_dp(Src q, Src k, Src v, Dst out, char* weights, int64_t B, int64_t 
         // Rows past Tq are zero queries: computed, never stored.
         for (int r = 0; r < R; ++r) row_bf16<DV>(Qr[r], q, b, c, i0 + r, Tq, d);
         v16 s[R][NB] = {};
-        for (int m = 0; m < M; ++m)
-          for (int r = 0; r < R; ++r) {
-            uint32_t qm = pair_at(Qr[r], m);
-            for (int jb = 0; jb < NB; ++jb)
-              s[r][jb] = (v16)dot2((__m512)s[r][jb], &Kp[m][jb * 16], qm);
-          }
+        times_feature_pairs<R, NB, M, DV>(s, Kp, Qr);
         // The softmax stage by stage for the R rows together, so that the rows' independent
         // chains (reductions, exp, the divide) overlap.
         int64_t n[R], nmax = 0;
@@ -479,23 +495,9 @@ void forward_dp(Src q, Src k, Src v, Dst out, char* weights, int64_t B, int64_t 
           if (i0 + r < Tq)
             std::memcpy(weights + (bh * Tq + i0 + r) * W * 2, P[r], W * 2);
         }
-        v16 o[S][R][DV] = {};
-        int64_t pairs = (nmax + 1) / 2;  // P is 0 past nmax, V's row Tk is 0
-        int64_t m = 0;
-        for (; m + S <= pairs; m += S)
-          for (int u = 0; u < S; ++u)
-            for (int cv = 0; cv < DV; ++cv)
-              for (int r = 0; r < R; ++r)
-                o[u][r][cv] = (v16)dot2((__m512)o[u][r][cv], Vp[m + u][cv], pair_at(P[r], m + u));
-        for (; m < pairs; ++m)
-          for (int cv = 0; cv < DV; ++cv)
-            for (int r = 0; r < R; ++r)
-              o[0][r][cv] = (v16)dot2((__m512)o[0][r][cv], Vp[m][cv], pair_at(P[r], m));
-        for (int r = 0; r < R && i0 + r < Tq; ++r) {
-          for (int u = 1; u < S; ++u)
-            for (int cv = 0; cv < DV; ++cv) o[0][r][cv] += o[u][r][cv];
-          store_row_bf16<DV>(out, b, c, i0 + r, o[0][r], d);
-        }
+        v16 o[R][DV];
+        times_key_pairs<R, DV, W>(o, Vp, P, (nmax + 1) / 2);  // P is 0 past nmax, V's row Tk 0
+        for (int r = 0; r < R && i0 + r < Tq; ++r) store_row<true, DV>(out, b, c, i0 + r, o[r], d);
       }
     }
   }
@@ -505,7 +507,6 @@ template <int NB, int DV>
 void backward_dp(Src q, Src k, Src v, const char* weights, Src go, Dst gq, Dst gk, Dst gv,
                  int64_t B, int64_t H, int64_t Tq, int64_t Tk, int d, float scale, int threads) {
   constexpr int W = NB * 16, M = 8 * DV, R = 4;
-  constexpr int S = R * DV >= 8 ? 1 : 2;
 #pragma omp parallel num_threads(threads)
   {
     alignas(64) uint32_t Vp[M][W];
@@ -532,17 +533,12 @@ void backward_dp(Src q, Src k, Src v, const char* weights, Src go, Dst gq, Dst g
         }
         // dP[i, :] = dO[i] V^T
         v16 dp[R][NB] = {};
-        for (int m = 0; m < M; ++m)
-          for (int r = 0; r < R; ++r) {
-            uint32_t om = pair_at(dO[r], m);
-            for (int jb = 0; jb < NB; ++jb)
-              dp[r][jb] = (v16)dot2((__m512)dp[r][jb], &Vp[m][jb * 16], om);
-          }
+        times_feature_pairs<R, NB, M, DV>(dp, Vp, dO);
         // dS = P * (dP - rowsum(dP * P))
         for (int r = 0; r < R; ++r) {
           v16 pv[NB], dot = {};
           for (int jb = 0; jb < NB; ++jb) {
-            pv[jb] = from_bf16(&P[r][jb * 16]);
+            pv[jb] = load<true>(&P[r][jb * 16], 16);
             dp[r][jb] = round_bf16(dp[r][jb]);
             dot += dp[r][jb] * pv[jb];
           }
@@ -552,23 +548,11 @@ void backward_dp(Src q, Src k, Src v, const char* weights, Src go, Dst gq, Dst g
                                to_bf16(pv[jb] * (dp[r][jb] - dot)));
         }
         // dQ[i] = scale dS[i, :] K
-        v16 dq[S][R][DV] = {};
-        int64_t pairs = (Tk + 1) / 2, m = 0;
-        for (; m + S <= pairs; m += S)
-          for (int u = 0; u < S; ++u)
-            for (int cv = 0; cv < DV; ++cv)
-              for (int r = 0; r < R; ++r)
-                dq[u][r][cv] = (v16)dot2((__m512)dq[u][r][cv], Kp[m + u][cv], pair_at(dS[r], m + u));
-        for (; m < pairs; ++m)
-          for (int cv = 0; cv < DV; ++cv)
-            for (int r = 0; r < R; ++r)
-              dq[0][r][cv] = (v16)dot2((__m512)dq[0][r][cv], Kp[m][cv], pair_at(dS[r], m));
+        v16 dq[R][DV];
+        times_key_pairs<R, DV, W>(dq, Kp, dS, (Tk + 1) / 2);
         for (int r = 0; r < R && i0 + r < Tq; ++r) {
-          for (int cv = 0; cv < DV; ++cv) {
-            for (int u = 1; u < S; ++u) dq[0][r][cv] += dq[u][r][cv];
-            dq[0][r][cv] *= scale;
-          }
-          store_row_bf16<DV>(gq, b, c, i0 + r, dq[0][r], d);
+          for (int cv = 0; cv < DV; ++cv) dq[r][cv] *= scale;
+          store_row<true, DV>(gq, b, c, i0 + r, dq[r], d);
         }
         // dV[j] += P[i, j] dO[i];  dK[j] += dS[i, j] Q[i]: pairs of queries
         __m512i dOp[R / 2][DV], Qp[R / 2][DV];
@@ -596,8 +580,8 @@ void backward_dp(Src q, Src k, Src v, const char* weights, Src go, Dst gq, Dst g
       }
       for (int64_t j = 0; j < Tk; ++j) {
         for (int cv = 0; cv < DV; ++cv) dK[j][cv] *= scale;
-        store_row_bf16<DV>(gk, b, c, j, dK[j], d);
-        store_row_bf16<DV>(gv, b, c, j, dV[j], d);
+        store_row<true, DV>(gk, b, c, j, dK[j], d);
+        store_row<true, DV>(gv, b, c, j, dV[j], d);
       }
     }
   }
