@@ -37,6 +37,15 @@ def both_ways(attn: MultiHeadSelfAttention, x: torch.Tensor, bf16: bool, cls: bo
     return outs
 
 
+def seeded_attention(tokens, embed_dim, num_heads, causal, batch):
+    """An explicit-path attention module and an input (batch, tokens, embed_dim), seed 0."""
+    torch.manual_seed(0)
+    attn = MultiHeadSelfAttention(
+        embed_dim=embed_dim, num_heads=num_heads, causal=causal, impl="explicit"
+    )
+    return attn, torch.randn(batch, tokens, embed_dim, requires_grad=True)
+
+
 @needs_kernel
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
@@ -44,11 +53,7 @@ def both_ways(attn: MultiHeadSelfAttention, x: torch.Tensor, bf16: bool, cls: bo
     [(50, 64, 4), (17, 16, 2), (65, 40, 2), (50, 64, 2), (1, 32, 2), (128, 128, 2)],
 )
 def test_kernel_gives_the_explicit_paths_numbers_in_float32(tokens, embed_dim, num_heads, causal):
-    torch.manual_seed(0)
-    attn = MultiHeadSelfAttention(
-        embed_dim=embed_dim, num_heads=num_heads, causal=causal, impl="explicit"
-    )
-    x = torch.randn(3, tokens, embed_dim, requires_grad=True)
+    attn, x = seeded_attention(tokens, embed_dim, num_heads, causal, batch=3)
     for cls in (False, True):
         fast, slow = both_ways(attn, x, bf16=False, cls=cls)
         params = [x, attn.qkv.weight, attn.qkv.bias, attn.proj.weight]
@@ -66,11 +71,7 @@ def test_kernel_gives_the_explicit_paths_numbers_under_bf16_autocast(
     # The same roundings to bfloat16 as the explicit path; a sum taken in another order can
     # land one bfloat16 step (2**-8 relative) away. Odd head_dim (5) and token counts
     # exercise the kernel's pairs of features, keys and queries.
-    torch.manual_seed(0)
-    attn = MultiHeadSelfAttention(
-        embed_dim=embed_dim, num_heads=num_heads, causal=causal, impl="explicit"
-    )
-    x = torch.randn(4, tokens, embed_dim, requires_grad=True)
+    attn, x = seeded_attention(tokens, embed_dim, num_heads, causal, batch=4)
     for cls in (False, True):
         fast, slow = both_ways(attn, x, bf16=True, cls=cls)
         params = [x, attn.qkv.weight, attn.proj.weight]
@@ -171,10 +172,8 @@ def test_kernel_operators_match_their_fake_versions(packed):
 def test_torch_compile_calls_the_kernel_and_gives_eagers_numbers(bf16):
     # aot_eager: dynamo and AOTAutograd trace the model as inductor receives it (no graph
     # break at the kernel), without inductor's half minute of code generation.
-    torch.manual_seed(0)
-    attn = MultiHeadSelfAttention(embed_dim=32, num_heads=2, impl="explicit")
+    attn, x = seeded_attention(17, 32, 2, causal=False, batch=2)
     compiled = torch.compile(attn, backend="aot_eager", fullgraph=True)
-    x = torch.randn(2, 17, 32, requires_grad=True)
     outs = []
     for model in (compiled, attn):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
