@@ -132,6 +132,13 @@ def _library(blocks: int, vectors: int) -> ctypes.CDLL | None:
     return lib
 
 
+def _split(q_src: torch.Tensor, kv_src: torch.Tensor | None) -> tuple[torch.Tensor, int, int]:
+    """The keys' and values' tensor, the model width D and the keys' column offset."""
+    kv = q_src if kv_src is None else kv_src
+    dim = kv.shape[-1] // (3 if kv_src is None else 2)
+    return kv, dim, dim if kv_src is None else 0
+
+
 @torch.compiler.assume_constant_result
 def _ready(dtype: torch.dtype, t_q: int, t_k: int, head_dim: int) -> bool:
     # Python values in, a bool out, so that torch.compile takes the answer as a constant
@@ -158,17 +165,12 @@ def usable(q_src: torch.Tensor, kv_src: torch.Tensor | None, num_heads: int) -> 
     (B, T_q, D) with ``kv_src`` the keys and values (B, T_k, 2*D). Works under
     ``torch.compile``, which records the answer as a constant.
     """
-    kv = q_src if kv_src is None else kv_src
+    kv, dim, _ = _split(q_src, kv_src)
     tensors = (q_src,) if kv_src is None else (q_src, kv_src)
     return (
         all(t.device.type == "cpu" and t.dim() == 3 and t.stride(-1) == 1 for t in tensors)
         and kv.dtype == q_src.dtype
-        and _ready(
-            q_src.dtype,
-            q_src.shape[1],
-            kv.shape[1],
-            kv.shape[-1] // (3 if kv_src is None else 2) // num_heads,
-        )
+        and _ready(q_src.dtype, q_src.shape[1], kv.shape[1], dim // num_heads)
     )
 
 
@@ -179,21 +181,13 @@ def kernel_for(
     apply."""
     if not usable(q_src, kv_src, num_heads):
         return None
-    kv = q_src if kv_src is None else kv_src
-    head_dim = kv.shape[-1] // (3 if kv_src is None else 2) // num_heads
-    return _library(*_shape_class(kv.shape[1], head_dim))
+    kv, dim, _ = _split(q_src, kv_src)
+    return _library(*_shape_class(kv.shape[1], dim // num_heads))
 
 
 def _rows(t: torch.Tensor, offset: int = 0) -> list[int]:
     """A pointer to element ``offset`` of row 0, and the batch and token strides (elements)."""
     return [t.data_ptr() + offset * t.element_size(), t.stride(0), t.stride(1)]
-
-
-def _split(q_src: torch.Tensor, kv_src: torch.Tensor | None) -> tuple[torch.Tensor, int, int]:
-    """The keys' and values' tensor, the model width D and the keys' column offset."""
-    kv = q_src if kv_src is None else kv_src
-    dim = kv.shape[-1] // (3 if kv_src is None else 2)
-    return kv, dim, dim if kv_src is None else 0
 
 
 def _kernel(q_src: torch.Tensor, kv_src: torch.Tensor | None, num_heads: int) -> ctypes.CDLL:
