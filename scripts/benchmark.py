@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vit_mnist.models import MultiHeadSelfAttention, VisionTransformer
+from vit_mnist.models import EncoderBlock, MultiHeadSelfAttention, VisionTransformer
 from vit_mnist.module import CompiledUnderSettings
 from vit_mnist.utils import cpu_name
 
@@ -69,7 +69,7 @@ def ours(impl: str, native_kernel: bool = True) -> Callable[..., nn.Module]:
             qkv_bias=False,
         )
         for m in model.modules():
-            if isinstance(m, MultiHeadSelfAttention):
+            if isinstance(m, MultiHeadSelfAttention | EncoderBlock | VisionTransformer):
                 m.native_kernel = native_kernel
         return model
 

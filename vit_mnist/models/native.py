@@ -1,4 +1,5 @@
-"""The fused CPU attention kernel (``attention_cpu.cpp``): building, loading and autograd.
+"""The fused CPU kernels (``attention_cpu.cpp``, ``layer_norm_cpu.cpp``): building, loading
+and autograd.
 
 On the CPU, the explicit path's training step, softmax(Q K^T * scale) V and its backward,
 runs in one C++ kernel per (image, head) instead of a dozen PyTorch operations. At the
@@ -7,11 +8,16 @@ step 1.17x faster in float32 and 1.24x in bf16 (docs/benchmarks.md, commit 123e0
 numbers are the explicit path's, to float32 rounding (under bf16 autocast, bit for bit on
 a CPU with AVX512-BF16, else to a bfloat16 step).
 
-Eager code calls it through :class:`FusedCPUAttention`; ``torch.compile`` sees it as two
-custom operators, ``vit_mnist::attention_forward`` and ``vit_mnist::attention_backward``,
-and fuses the operations around them.
+A second kernel (``layer_norm_cpu.cpp``, :func:`add_norm`) runs a block's residual add and
+the LayerNorm after it in one pass each way, where PyTorch takes four (cast, add,
+LayerNorm, cast); with it the bf16 step was about 1.1x faster again (README, Speed).
 
-The kernel is compiled on first use with the system's C++ compiler (``$CXX``, else ``c++``,
+Eager code calls the attention kernel through :class:`FusedCPUAttention`; ``torch.compile``
+sees it as two custom operators, ``vit_mnist::attention_forward`` and
+``vit_mnist::attention_backward``, and fuses the operations around them. The add and
+LayerNorm kernel stays out of compiled graphs (inductor fuses those operations itself).
+
+Each kernel is compiled on first use with the system's C++ compiler (``$CXX``, else ``c++``,
 ``g++`` or ``clang++``) for this CPU (``-march=native``) and OpenMP, then cached under
 ``$VIT_MNIST_CACHE`` (default ``~/.cache/vit_mnist``), one library per shape class, about
 1 s each. Where it cannot be used (no compiler, a torch without OpenMP, a sequence longer
@@ -74,18 +80,17 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _build(blocks: int, vectors: int) -> Path:
-    """Compile the kernel for keys in ``blocks`` 16-lane blocks and heads in ``vectors``
-    16-lane vectors; returns the library's path. Raises RuntimeError (why) on failure."""
+def _build(source: Path, defines: tuple[str, ...], stem: str) -> Path:
+    """Compile ``source`` with ``defines`` into ``cache_dir()/<stem>_<hash>.so``; returns
+    the library's path. Raises RuntimeError (why) on failure."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
-    defines = (f"-DATTN_NB={blocks}", f"-DATTN_DV={vectors}")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), cxx, version, *FLAGS, *defines, _cpu_identity()]).encode()
+        "\0".join([source.read_text(), cxx, version, *FLAGS, *defines, _cpu_identity()]).encode()
     ).hexdigest()[:16]
-    target = cache_dir() / f"attention_cpu_{blocks}x{vectors}_{key}.so"
+    target = cache_dir() / f"{stem}_{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +100,7 @@ def _build(blocks: int, vectors: int) -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [cxx, *FLAGS, *defines, str(SOURCE), "-o", tmp],
+            [cxx, *FLAGS, *defines, str(source), "-o", tmp],
             capture_output=True,
             text=True,
             timeout=300,
@@ -109,19 +114,27 @@ def _build(blocks: int, vectors: int) -> Path:
     return target
 
 
-@functools.cache
-def _library(blocks: int, vectors: int) -> ctypes.CDLL | None:
+def _load(source: Path, defines: tuple[str, ...], stem: str, fallback: str) -> ctypes.CDLL | None:
+    """The library built from ``source``, or None (with a warning that says ``fallback``)."""
     if not torch.backends.openmp.is_available():
         return None  # the kernel's threads would not be torch's
     try:
-        lib = ctypes.CDLL(str(_build(blocks, vectors)))
+        return ctypes.CDLL(str(_build(source, defines, stem)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        warnings.warn(
-            f"vit_mnist: the fused CPU attention kernel is not available ({e}); the explicit "
-            "attention path runs on PyTorch operations instead (same numbers, slower)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        warnings.warn(f"vit_mnist: {fallback} ({e})", RuntimeWarning, stacklevel=4)
+        return None
+
+
+@functools.cache
+def _library(blocks: int, vectors: int) -> ctypes.CDLL | None:
+    lib = _load(
+        SOURCE,
+        (f"-DATTN_NB={blocks}", f"-DATTN_DV={vectors}"),
+        f"attention_cpu_{blocks}x{vectors}",
+        "the fused CPU attention kernel is not available; the explicit attention path runs "
+        "on PyTorch operations instead (same numbers, slower)",
+    )
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.attn_forward.argtypes = [ctypes.c_int, *[ptr, i64, i64] * 4, ptr, *[i64] * 5]
@@ -324,3 +337,165 @@ class FusedCPUAttention(torch.autograd.Function):
             grad_out, q_src, kv_src, weights, num_heads, scale
         )
         return grad_q_src, None if kv_src is None else grad_kv_src, None, None, None
+
+
+# The residual add and the LayerNorm after it (layer_norm_cpu.cpp).
+
+NORM_SOURCE = Path(__file__).with_name("layer_norm_cpu.cpp")
+MAX_NORM_DIM = 256  # a row of up to 16 vectors stays in registers
+
+
+@functools.cache
+def _norm_library(vectors: int) -> ctypes.CDLL | None:
+    lib = _load(
+        NORM_SOURCE,
+        (f"-DLN_NV={vectors}",),
+        f"layer_norm_cpu_{vectors}",
+        "the fused CPU residual-add-and-LayerNorm kernel is not available; PyTorch's add "
+        "and LayerNorm run instead (the same numbers to float32 rounding, slower)",
+    )
+    if lib is None or not lib.add_norm_available():
+        return None  # no AVX-512: the library was built, but holds no kernel
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.add_norm_forward.argtypes = [i32, i32, i64, i64, *[ptr] * 8, ctypes.c_float, i32]
+    lib.add_norm_backward.argtypes = [i32, i32, i64, i64, *[ptr] * 11, i32]
+    lib.add_norm_forward.restype = lib.add_norm_backward.restype = None
+    return lib
+
+
+def _norm_ready(dim: int) -> bool:
+    return enabled() and 1 <= dim <= MAX_NORM_DIM and _norm_library(-(-dim // 16)) is not None
+
+
+def add_norm_usable(x: torch.Tensor, branch: torch.Tensor | None, norm: torch.nn.LayerNorm) -> bool:
+    """Whether :func:`add_norm` takes these inputs: a float32 CPU residual stream ``x``
+    (..., D) with D <= 256, contiguous; ``branch`` None or of ``x``'s shape, float32 or
+    bfloat16; a LayerNorm over D with weight and bias; an AVX-512 CPU (the kernel is built
+    on the first call that asks). Always False while ``torch.compile`` or ``torch.export``
+    traces (inductor fuses PyTorch's add and LayerNorm itself) and under jit tracing.
+    """
+    dim = x.shape[-1]
+    return (
+        not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.dim() >= 2
+        and x.is_contiguous()
+        and (
+            branch is None
+            or (
+                branch.shape == x.shape
+                and branch.device.type == "cpu"
+                and branch.dtype in (torch.float32, torch.bfloat16)
+            )
+        )
+        and tuple(norm.normalized_shape) == (dim,)
+        and norm.weight is not None
+        and norm.bias is not None
+        and norm.weight.dtype == norm.bias.dtype == torch.float32
+        and _norm_ready(dim)
+    )
+
+
+def add_norm(
+    x: torch.Tensor, branch: torch.Tensor | None, norm: torch.nn.LayerNorm, *, for_linear: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + branch`` (``x`` when ``branch`` is None) and ``norm(s)``, in one pass each
+    way (forward and backward) of the C++ kernel; :func:`add_norm_usable` must be true.
+
+    Shapes and dtypes: ``x`` (..., D) float32, ``branch`` as ``x``, float32 or bfloat16;
+    returns ``s`` (..., D) float32 and ``norm(s)`` (..., D). With ``for_linear`` and bf16
+    autocast on for the CPU, ``norm(s)`` comes already rounded to bfloat16: the values
+    that autocast's cast before a Linear would give it. Otherwise float32.
+
+    The same numbers as PyTorch's add and LayerNorm to float32 rounding: the statistics are
+    summed in another order (two-pass, where PyTorch uses Welford's update).
+    """
+    bf16_out = (
+        for_linear
+        and torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    )
+    out_dtype = torch.bfloat16 if bf16_out else torch.float32
+    with torch.autocast("cpu", enabled=False):
+        return AddLayerNorm.apply(x, branch, norm.weight, norm.bias, norm.eps, out_dtype)
+
+
+def _contiguous_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+class AddLayerNorm(torch.autograd.Function):
+    """``(x + branch, LayerNorm(x + branch))`` in the C++ kernel; see :func:`add_norm`.
+
+    Saves ``s = x + branch`` (float32) and the rows' mean and 1/std for the backward, as
+    PyTorch's LayerNorm saves its input and the same statistics.
+    """
+
+    @staticmethod
+    def forward(ctx, x, branch, weight, bias, eps: float, out_dtype: torch.dtype):  # noqa: D102
+        dim = x.shape[-1]
+        rows = x.numel() // dim
+        branch = _contiguous_or_none(branch)
+        s = torch.empty_like(x)
+        y = torch.empty(x.shape, dtype=out_dtype)
+        mean, rstd = x.new_empty(rows), x.new_empty(rows)
+        _norm_library(-(-dim // 16)).add_norm_forward(
+            int(branch is not None and branch.dtype == torch.bfloat16),
+            int(out_dtype == torch.bfloat16),
+            rows,
+            dim,
+            x.data_ptr(),
+            None if branch is None else branch.data_ptr(),
+            s.data_ptr(),
+            weight.data_ptr(),
+            bias.data_ptr(),
+            y.data_ptr(),
+            mean.data_ptr(),
+            rstd.data_ptr(),
+            eps,
+            torch.get_num_threads(),
+        )
+        ctx.save_for_backward(s, mean, rstd, weight)
+        ctx.branch_dtype = None if branch is None else branch.dtype
+        return s, y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_s, grad_y):  # noqa: D102
+        s, mean, rstd, weight = ctx.saved_tensors
+        dim = s.shape[-1]
+        rows = s.numel() // dim
+        if grad_y is None:
+            grad_y = torch.zeros_like(s)
+        grad_y, grad_s = grad_y.contiguous(), _contiguous_or_none(grad_s)
+        threads = torch.get_num_threads()
+        grad_x = torch.empty_like(s)
+        bf16_branch = ctx.branch_dtype == torch.bfloat16
+        grad_branch = torch.empty(s.shape, dtype=torch.bfloat16) if bf16_branch else None
+        grad_weight, grad_bias = s.new_empty(dim), s.new_empty(dim)
+        partial = s.new_empty(2 * threads * dim)
+        _norm_library(-(-dim // 16)).add_norm_backward(
+            int(grad_y.dtype == torch.bfloat16),
+            int(bf16_branch),
+            rows,
+            dim,
+            grad_y.data_ptr(),
+            None if grad_s is None else grad_s.data_ptr(),
+            s.data_ptr(),
+            mean.data_ptr(),
+            rstd.data_ptr(),
+            weight.data_ptr(),
+            grad_x.data_ptr(),
+            None if grad_branch is None else grad_branch.data_ptr(),
+            grad_weight.data_ptr(),
+            grad_bias.data_ptr(),
+            partial.data_ptr(),
+            threads,
+        )
+        if ctx.branch_dtype is None:
+            grad_branch = None
+        elif not bf16_branch:
+            grad_branch = grad_x  # the add passes the gradient through unchanged
+        return grad_x, grad_branch, grad_weight, grad_bias, None, None

@@ -16,6 +16,7 @@ from torch import nn
 from torchvision.ops import StochasticDepth
 
 from vit_mnist.errors import ConfigError
+from vit_mnist.models import native
 from vit_mnist.models.attention import MultiHeadSelfAttention, check_attention_args
 
 
@@ -128,7 +129,13 @@ class EncoderBlock(nn.Module):
 
     Shapes: (batch, tokens, embed_dim) -> (batch, tokens, embed_dim); with
     ``need_weights=True`` also the attention weights (batch, num_heads, tokens, tokens).
+
+    In a CPU training step each residual add and the LayerNorm after it run as one C++
+    kernel (:func:`~vit_mnist.models.native.add_norm`; float32 rounding apart, the same
+    numbers); set the attribute ``native_kernel = False`` to run PyTorch's operations.
     """
+
+    native_kernel: bool = True
 
     def __init__(
         self,
@@ -169,21 +176,70 @@ class EncoderBlock(nn.Module):
             attn_out, weights = self.attn(self.norm1(x), need_weights=True)
             x = x + self.drop_path(attn_out)
             return x + self.drop_path(self.mlp(self.norm2(x))), weights
-        x = x + self.drop_path(self.attn(self.norm1(x)))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+        x, mlp_out = self.forward_deferred(x)
+        return x + mlp_out
 
-    def forward_cls(self, x: torch.Tensor) -> torch.Tensor:
-        """The block's output for the CLS token (token 0) alone.
+    def forward_deferred(
+        self, x: torch.Tensor, branch: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block on ``x + branch``, with its MLP branch returned instead of added.
 
-        Equal to ``forward(x)[:, :1]``: every token's keys and values are still
+        Returns ``(z, m)`` with ``z + m == forward(x + branch)`` (``branch`` None: ``x``).
+        A stack of blocks hands ``m`` to the next block as its ``branch``, so that every
+        residual add meets the LayerNorm after it, and on the CPU the two run as one C++
+        pass each way (:func:`~vit_mnist.models.native.add_norm`) where PyTorch takes
+        four (cast, add, LayerNorm, cast) and as many back.
+
+        Shapes: (batch, tokens, embed_dim) in and out; ``m`` in the MLP's output dtype
+        (bfloat16 under bf16 autocast).
+        """
+        x, h = self._add_norm(x, branch, self.norm1)
+        x, h = self._add_norm(x, self.drop_path(self.attn(h)), self.norm2)
+        return x, self.drop_path(self.mlp(h))
+
+    def forward_cls(self, x: torch.Tensor, branch: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output for the CLS token (token 0) alone, on ``x + branch``.
+
+        Equal to ``forward(x + branch)[:, :1]``: every token's keys and values are still
         computed, but the other tokens' attention rows, ``W^O``, second LayerNorm and MLP
         are not. The classifier's last block needs nothing more, because only the CLS
         token reaches the head (ViT eq. 4).
 
         Shapes: (batch, tokens, embed_dim) -> (batch, 1, embed_dim).
         """
-        cls = x[:, :1] + self.drop_path(self.attn.forward_cls(self.norm1(x)))
+        x, h = self._add_norm(x, branch, self.norm1)
+        cls = x[:, :1] + self.drop_path(self.attn.forward_cls(h))
         return cls + self.drop_path(self.mlp(self.norm2(cls)))
+
+    def _add_norm(
+        self, x: torch.Tensor, branch: torch.Tensor | None, norm: nn.LayerNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # norm's output feeds a Linear (qkv, fc1): under bf16 autocast the kernel hands it
+        # over already rounded to bfloat16, the values autocast's cast would give.
+        return _add_norm(x, branch, norm, native_kernel=self.native_kernel, for_linear=True)
+
+
+def _add_norm(
+    x: torch.Tensor,
+    branch: torch.Tensor | None,
+    norm: nn.LayerNorm,
+    *,
+    native_kernel: bool,
+    for_linear: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + branch, norm(x + branch))``: in one C++ pass in a CPU training step where
+    :func:`~vit_mnist.models.native.add_norm_usable` says so, else PyTorch's operations
+    (float32 output). The two agree to float32 rounding."""
+    if (
+        native_kernel
+        and torch.is_grad_enabled()
+        and x.requires_grad
+        and native.add_norm_usable(x, branch, norm)
+    ):
+        return native.add_norm(x, branch, norm, for_linear=for_linear)
+    if branch is not None:
+        x = x + branch
+    return x, norm(x)
 
 
 class VisionTransformer(nn.Module):
@@ -217,7 +273,14 @@ class VisionTransformer(nn.Module):
 
     Raises:
         ConfigError (a ValueError): an impossible combination, naming the values.
+
+    The C++ kernels of :mod:`~vit_mnist.models.native` (attention, residual add with
+    LayerNorm) serve CPU training steps; the attribute ``native_kernel = False`` on this
+    model, its blocks and their attention modules turns them off (the environment variable
+    ``VIT_MNIST_NATIVE_ATTENTION=0`` turns them off everywhere).
     """
+
+    native_kernel: bool = True  # the final LayerNorm's (see EncoderBlock)
 
     def __init__(
         self,
@@ -305,9 +368,13 @@ class VisionTransformer(nn.Module):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normalised tokens (B, 1 + num_patches, embed_dim)."""
         x = self._embed(x)
+        mlp_out = None
         for block in self.blocks:
-            x = block(x)
-        return self.norm(x)
+            x, mlp_out = block.forward_deferred(x, mlp_out)
+        _, tokens = _add_norm(
+            x, mlp_out, self.norm, native_kernel=self.native_kernel, for_linear=False
+        )
+        return tokens
 
     def forward_head(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens (B, T, embed_dim) -> logits (B, num_classes) from the CLS token."""
@@ -323,9 +390,10 @@ class VisionTransformer(nn.Module):
         "The model").
         """
         x = self._embed(x)
+        mlp_out = None
         for block in self.blocks[:-1]:
-            x = block(x)
-        return self.forward_head(self.norm(self.blocks[-1].forward_cls(x)))
+            x, mlp_out = block.forward_deferred(x, mlp_out)
+        return self.forward_head(self.norm(self.blocks[-1].forward_cls(x, mlp_out)))
 
     def forward_with_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits and every block's attention weights, via the explicit path.
