@@ -10,7 +10,7 @@ a CPU with AVX512-BF16, else to a bfloat16 step).
 
 A second kernel (``layer_norm_cpu.cpp``, :func:`add_norm`) runs a block's residual add and
 the LayerNorm after it in one pass each way, where PyTorch takes four (cast, add,
-LayerNorm, cast); with it the bf16 step was about 1.1x faster again (README, Speed).
+LayerNorm, cast); with it the bf16 step was 1.09x to 1.14x faster again (README, Speed).
 
 Eager code calls the attention kernel through :class:`FusedCPUAttention`; ``torch.compile``
 sees it as two custom operators, ``vit_mnist::attention_forward`` and
