@@ -28,3 +28,17 @@ def assert_same_values_and_gradients(fast, slow, inputs, *, atol: float, rtol: f
         strict=True,
     ):
         torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
+
+
+def count_applies(monkeypatch, function) -> list[int]:
+    """A list that grows by one element at each ``function.apply`` call (an
+    ``autograd.Function``), for as long as the test runs; the calls still go through."""
+    calls = []
+    apply = function.apply
+
+    def counting(*args):
+        calls.append(1)
+        return apply(*args)
+
+    monkeypatch.setattr(function, "apply", counting)
+    return calls

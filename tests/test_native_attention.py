@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import assert_same_values_and_gradients
+from tests.helpers import assert_same_values_and_gradients, count_applies
 from vit_mnist.models import MultiHeadSelfAttention, native
 
 
@@ -84,15 +84,7 @@ def test_kernel_gives_the_explicit_paths_numbers_under_bf16_autocast(
 
 
 def calls_to_kernel(monkeypatch) -> list[int]:
-    calls = []
-    apply = native.FusedCPUAttention.apply
-
-    def counting(*args):
-        calls.append(1)
-        return apply(*args)
-
-    monkeypatch.setattr(native.FusedCPUAttention, "apply", counting)
-    return calls
+    return count_applies(monkeypatch, native.FusedCPUAttention)
 
 
 @needs_kernel

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import assert_same_values_and_gradients
+from tests.helpers import assert_same_values_and_gradients, count_applies
 from vit_mnist.models import EncoderBlock, VisionTransformer, native
 
 
@@ -112,15 +112,7 @@ def test_forward_features_and_forward_agree_with_the_kernel():
 
 
 def calls_to_kernel(monkeypatch) -> list[int]:
-    calls = []
-    apply = native.AddLayerNorm.apply
-
-    def counting(*args):
-        calls.append(1)
-        return apply(*args)
-
-    monkeypatch.setattr(native.AddLayerNorm, "apply", counting)
-    return calls
+    return count_applies(monkeypatch, native.AddLayerNorm)
 
 
 @needs_kernel

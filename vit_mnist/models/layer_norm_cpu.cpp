@@ -27,12 +27,14 @@
 #ifndef LN_NV
 #error "build with -DLN_NV=<16-float vectors per row>"
 #endif
-#if defined(__AVX512F__)
+// The 16-bit masked loads and stores need AVX512BW and AVX512VL besides AVX512F.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define LN_AVX512 1
 #include <immintrin.h>
 #include <omp.h>
 #endif
 
-#if defined(__AVX512F__)
+#if defined(LN_AVX512)
 namespace {
 
 inline __m512 load_bf16(__mmask16 m, const uint16_t* p) {
@@ -43,6 +45,7 @@ inline __m512 load_bf16(__mmask16 m, const uint16_t* p) {
 // Round to nearest even, as torch's float -> bfloat16 conversion; NaN stays NaN.
 inline __m256i to_bf16(__m512 x) {
 #if defined(__AVX512BF16__)
+  // One instruction where the CPU has it; it also flushes denormals (below 1.2e-38) to 0.
   return (__m256i)_mm512_cvtneps_pbh(x);
 #else
   __m512i u = _mm512_castps_si512(x);
@@ -206,9 +209,10 @@ void backward(int64_t rows, int64_t D, const void* dy, const float* ds_residual,
 
 extern "C" {
 
-// 1 where this build has the kernels (the CPU has AVX-512), else 0 and they do nothing.
+// 1 where this build has the kernels (the CPU has AVX-512 F, BW and VL), else 0 and they
+// do nothing.
 int add_norm_available() {
-#if defined(__AVX512F__)
+#if defined(LN_AVX512)
   return 1;
 #else
   return 0;
@@ -221,7 +225,7 @@ int add_norm_available() {
 void add_norm_forward(int branch_bf16, int out_bf16, int64_t rows, int64_t D, const float* x,
                       const void* branch, float* s, const float* gamma, const float* beta,
                       void* y, float* mean, float* rstd, float eps, int threads) {
-#if defined(__AVX512F__)
+#if defined(LN_AVX512)
   auto f = branch_bf16 ? (out_bf16 ? forward<LN_NV, true, true> : forward<LN_NV, true, false>)
                        : (out_bf16 ? forward<LN_NV, false, true> : forward<LN_NV, false, false>);
   if ((D + 15) / 16 == LN_NV) f(rows, D, x, branch, s, gamma, beta, y, mean, rstd, eps, threads);
@@ -236,7 +240,7 @@ void add_norm_backward(int dy_bf16, int branch_bf16, int64_t rows, int64_t D, co
                        const float* ds_residual, const float* s, const float* mean,
                        const float* rstd, const float* gamma, float* ds, void* dbranch,
                        float* dgamma, float* dbeta, float* partial, int threads) {
-#if defined(__AVX512F__)
+#if defined(LN_AVX512)
   auto f = dy_bf16 ? (branch_bf16 ? backward<LN_NV, true, true> : backward<LN_NV, true, false>)
                    : (branch_bf16 ? backward<LN_NV, false, true> : backward<LN_NV, false, false>);
   if ((D + 15) / 16 == LN_NV)
