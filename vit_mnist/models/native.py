@@ -363,8 +363,13 @@ def _norm_library(vectors: int) -> ctypes.CDLL | None:
     return lib
 
 
+def _norm_kernel(dim: int) -> ctypes.CDLL | None:
+    """The library for rows of ``dim`` floats (built for that many 16-float vectors)."""
+    return _norm_library(-(-dim // 16))
+
+
 def _norm_ready(dim: int) -> bool:
-    return enabled() and 1 <= dim <= MAX_NORM_DIM and _norm_library(-(-dim // 16)) is not None
+    return enabled() and 1 <= dim <= MAX_NORM_DIM and _norm_kernel(dim) is not None
 
 
 def add_norm_usable(x: torch.Tensor, branch: torch.Tensor | None, norm: torch.nn.LayerNorm) -> bool:
@@ -441,7 +446,7 @@ class AddLayerNorm(torch.autograd.Function):
         s = torch.empty_like(x)
         y = torch.empty(x.shape, dtype=out_dtype)
         mean, rstd = x.new_empty(rows), x.new_empty(rows)
-        _norm_library(-(-dim // 16)).add_norm_forward(
+        _norm_kernel(dim).add_norm_forward(
             int(branch is not None and branch.dtype == torch.bfloat16),
             int(out_dtype == torch.bfloat16),
             rows,
@@ -459,6 +464,8 @@ class AddLayerNorm(torch.autograd.Function):
         )
         ctx.save_for_backward(s, mean, rstd, weight)
         ctx.branch_dtype = None if branch is None else branch.dtype
+        # An output nobody used arrives in backward as None, not as zeros to read.
+        ctx.set_materialize_grads(False)
         return s, y
 
     @staticmethod
@@ -476,7 +483,7 @@ class AddLayerNorm(torch.autograd.Function):
         grad_branch = torch.empty(s.shape, dtype=torch.bfloat16) if bf16_branch else None
         grad_weight, grad_bias = s.new_empty(dim), s.new_empty(dim)
         partial = s.new_empty(2 * threads * dim)
-        _norm_library(-(-dim // 16)).add_norm_backward(
+        _norm_kernel(dim).add_norm_backward(
             int(grad_y.dtype == torch.bfloat16),
             int(bf16_branch),
             rows,
