@@ -46,11 +46,29 @@ def make_train_cfg(tmp_path):
             "trainer=cpu",
             "trainer.max_epochs=2",
             "trainer.log_every_n_steps=2",
+            # The speed layer's own tests time the paths (tests/test_speed.py); here the
+            # reference path in float32 keeps every run short and alike.
+            "speed.path=reference",
+            "trainer.precision=32-true",
         ]
         base += TINY_MODEL
         return compose_config("train", [*base, *overrides], output_dir or tmp_path / "train")
 
     return make
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory):
+    """Speed choices and built kernels go to a fresh folder, not the user's cache."""
+    import os
+
+    old = os.environ.get("VIT_MNIST_CACHE")
+    os.environ["VIT_MNIST_CACHE"] = str(tmp_path_factory.mktemp("vit_mnist_cache"))
+    yield
+    if old is None:
+        del os.environ["VIT_MNIST_CACHE"]
+    else:
+        os.environ["VIT_MNIST_CACHE"] = old
 
 
 @pytest.fixture(scope="session")

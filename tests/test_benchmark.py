@@ -23,23 +23,39 @@ def benchmark():
 
 @pytest.mark.parametrize("arch", ["default", "larger"])
 def test_same_architecture_same_parameter_count(benchmark, arch):
-    (kwargs,) = [a for name, a in benchmark.ARCHS.items() if name.startswith(arch)]
+    kwargs = benchmark.ARCHS[arch]
     counts = {
         name: sum(p.numel() for p in build(**kwargs).parameters())
         for name, build in benchmark.IMPLS.items()
     }
-    assert counts["ours (explicit)"] == counts["ours (fused)"] == counts["timm"]
+    ours = {counts[name] for name in counts if name.startswith("ours")}
+    assert ours == {counts["timm"]}  # every speed path trains the same parameters
     # vit-pytorch's patch embedding has two LayerNorms more: 2 x (16 + embed_dim) parameters.
     extra = 2 * (benchmark.PATCH**2 + kwargs["embed_dim"])
     assert counts["vit-pytorch"] == counts["timm"] + extra
 
 
-def test_benchmark_writes_a_table_with_every_implementation(benchmark, tmp_path):
+def test_benchmark_writes_one_section_per_hardware_class(benchmark, tmp_path, monkeypatch):
     out = tmp_path / "bench.md"
-    args = ["--steps", "1", "--reps", "1", "--warmup", "0", "--batch", "8"]
+    args = ["--steps", "1", "--reps", "1", "--warmup", "0", "--batch", "8", "--bf16", "no"]
     # Compiling takes minutes: the compiled rows are left out here.
     argv = [*args, "--archs", "default", "--compile-archs", "--out", str(out)]
+    out.write_text(benchmark.HEADER + "\n## CPU: Other, class AVX2; patch 4\n\n| old table |\n")
     assert benchmark.main(argv) == 0
-    rows = [line for line in out.read_text().splitlines() if line.startswith("| CPU")]
-    assert len(rows) == 2 * len(benchmark.IMPLS)  # fp32 and bf16
-    assert "Hardware: CPU:" in out.read_text()
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| fp32")]
+    eager = [
+        n
+        for n, p in benchmark.PATHS.items()
+        if p.unavailable(benchmark.torch.device("cpu")) is None and not p.compiles
+    ]
+    # Every eager path, the auto row, and both peers.
+    assert len(rows) == len(eager) + 1 + 2
+    assert any("ours (auto: " in r for r in rows)
+    from vit_mnist.speed.hardware import isa_class
+
+    assert f"class {isa_class()}" in text and "torch " in text
+    # The other class's section is kept; a second run replaces this class's, not adds one.
+    assert "## CPU: Other, class AVX2; patch 4" in text
+    assert benchmark.main(argv) == 0
+    assert out.read_text().count(f"class {isa_class()}") == 1

@@ -45,7 +45,11 @@ def test_overrides_compose_and_build(tmp_path):
     assert len(module.net.blocks) == 4
     datamodule = hydra.utils.instantiate(cfg.data)
     assert datamodule.batch_size == 256
-    trainer = hydra.utils.instantiate(cfg.trainer, logger=False, enable_checkpointing=False)
+    # precision: auto is made concrete by train(), from the speed layer's measurement.
+    assert cfg.trainer.precision == "auto"
+    trainer = hydra.utils.instantiate(
+        cfg.trainer, logger=False, enable_checkpointing=False, precision="32-true"
+    )
     assert isinstance(trainer, L.Trainer) and trainer.max_epochs == 3
 
 

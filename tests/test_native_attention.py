@@ -1,4 +1,10 @@
-"""The fused CPU attention kernel against the explicit path on PyTorch operations."""
+"""The fused CPU attention kernel against the explicit path on PyTorch operations.
+
+The reference for the kernel's bits is the explicit arithmetic as the training step runs it
+without the kernel: :class:`~vit_mnist.speed.forward.ExplicitAttention` (the hand-written
+backward's core, which scales Q K^T in float32 before rounding, as the kernel does), on the
+same module's parameters. The module itself, ``attn(x)``, is checked too in float32.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +12,13 @@ import pytest
 import torch
 
 from tests.helpers import assert_same_values_and_gradients, count_applies
-from vit_mnist.models import MultiHeadSelfAttention, native
+from vit_mnist.models import MultiHeadSelfAttention
+from vit_mnist.speed import native
+from vit_mnist.speed.forward import attention_forward, handwritten_backward_core
+from vit_mnist.speed.native_forward import _attention
+from vit_mnist.speed.paths import PATHS
 
-
-def kernel_builds() -> bool:
-    return native.kernel_for(torch.zeros(1, 1, 48), None, 1) is not None
-
+CPU = torch.device("cpu")
 
 # Where the kernel's bf16 products run on vdpbf16ps and oneDNN's do too (no AMX tiles, whose
 # sums may be taken in another order), the kernel has given the PyTorch path's exact bits
@@ -19,21 +26,19 @@ def kernel_builds() -> bool:
 _FLAGS = native._cpu_identity().split()
 AVX512_BF16 = "avx512_bf16" in _FLAGS and "amx_bf16" not in _FLAGS
 
+_WHY_NOT = PATHS["native"].unavailable(CPU)
 needs_kernel = pytest.mark.skipif(
-    not kernel_builds(),
-    reason="the fused CPU attention kernel cannot be built here (no C++ compiler or OpenMP)",
+    _WHY_NOT is not None, reason=f"the native path cannot run here: {_WHY_NOT}"
 )
 
 
 def both_ways(attn: MultiHeadSelfAttention, x: torch.Tensor, bf16: bool, cls: bool = False):
-    """The output with the kernel and without it (the same module, the same input)."""
+    """The output in the kernel and on the explicit path's PyTorch operations (the same
+    module, the same input); with ``cls`` the CLS token's row only."""
     outs = []
-    for use in (True, False):
-        attn.native_kernel = use
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            out = attn.forward_cls(x) if cls else attn(x)
-        outs.append(out.float())
-    attn.native_kernel = True
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        outs.append(_attention(attn, x, cls).float())
+        outs.append(attention_forward(attn, x, handwritten_backward_core, cls).float())
     return outs
 
 
@@ -54,9 +59,14 @@ def seeded_attention(tokens, embed_dim, num_heads, causal, batch):
 )
 def test_kernel_gives_the_explicit_paths_numbers_in_float32(tokens, embed_dim, num_heads, causal):
     attn, x = seeded_attention(tokens, embed_dim, num_heads, causal, batch=3)
+    params = [x, attn.qkv.weight, attn.qkv.bias, attn.proj.weight]
     for cls in (False, True):
         fast, slow = both_ways(attn, x, bf16=False, cls=cls)
-        params = [x, attn.qkv.weight, attn.qkv.bias, attn.proj.weight]
+        assert_same_values_and_gradients(fast, slow, params, atol=1e-5, rtol=1e-5)
+    # And the module itself, the model as written (its CLS row for the CLS-only form).
+    for cls in (False, True):
+        fast, slow = _attention(attn, x, cls), attn(x)
+        slow = slow[:, :1] if cls else slow
         assert_same_values_and_gradients(fast, slow, params, atol=1e-5, rtol=1e-5)
 
 
@@ -91,29 +101,29 @@ def calls_to_kernel(monkeypatch) -> list[int]:
 def test_kernel_runs_only_for_the_explicit_paths_training_step(monkeypatch):
     calls = calls_to_kernel(monkeypatch)
     x = torch.randn(2, 50, 64, requires_grad=True)
-    attn = MultiHeadSelfAttention(embed_dim=64, num_heads=4)  # auto: explicit on the CPU
-    attn(x)
-    attn.forward_cls(x)
+    attn = MultiHeadSelfAttention(embed_dim=64, num_heads=4)
+    _attention(attn, x, False)
+    _attention(attn, x, True)
     assert len(calls) == 2
     with torch.no_grad():
-        attn(x)  # inference: the explicit path's operations, nothing to save
-    attn(x, need_weights=True)  # the weights are wanted
-    MultiHeadSelfAttention(embed_dim=64, num_heads=4, impl="fused")(x)
-    MultiHeadSelfAttention(embed_dim=64, num_heads=4, attn_dropout=0.1)(x)
-    MultiHeadSelfAttention(embed_dim=64, num_heads=4)(torch.randn(1, 129, 64, requires_grad=True))
+        _attention(attn, x, False)  # inference: the explicit path's operations, nothing to save
+    _attention(MultiHeadSelfAttention(embed_dim=64, num_heads=4, attn_dropout=0.1), x, False)
+    long = torch.randn(1, 129, 64, requires_grad=True)  # more tokens than the kernel holds
+    _attention(MultiHeadSelfAttention(embed_dim=64, num_heads=4), long, False)
     half = MultiHeadSelfAttention(embed_dim=64, num_heads=4).half()
-    half(x.detach().half().requires_grad_())  # float16: not a dtype the kernel takes
-    attn.native_kernel = False
-    attn(x)
+    _attention(half, x.detach().half().requires_grad_(), False)  # float16: not for the kernel
+    attn(x)  # the model as written never calls it, nor its attention weights' path
+    attn(x, need_weights=True)
+    MultiHeadSelfAttention(embed_dim=64, num_heads=4, impl="fused")(x)
     assert len(calls) == 2
 
 
-@needs_kernel
-def test_the_environment_variable_turns_the_kernel_off(monkeypatch):
-    calls = calls_to_kernel(monkeypatch)
-    monkeypatch.setenv("VIT_MNIST_NATIVE_ATTENTION", "0")
-    MultiHeadSelfAttention(embed_dim=64, num_heads=4)(torch.randn(2, 50, 64, requires_grad=True))
-    assert calls == []
+def test_native_path_is_not_offered_without_avx512(monkeypatch):
+    monkeypatch.setattr("vit_mnist.speed.paths.isa_class", lambda: "AVX2")
+    reason = PATHS["native"].unavailable(CPU)
+    assert reason is not None and reason.startswith("needs AVX-512")
+    assert PATHS["compile_native"].unavailable(CPU) == reason
+    assert PATHS["native"].unavailable(torch.device("meta")) == "CPU only"
 
 
 @needs_kernel
@@ -136,7 +146,7 @@ def test_without_a_compiler_it_warns_and_the_explicit_path_runs(monkeypatch, tmp
             assert native.kernel_for(torch.zeros(1, 17, 48), None, 1) is None
         attn = MultiHeadSelfAttention(embed_dim=16, num_heads=1)
         x = torch.randn(2, 17, 16, requires_grad=True)
-        out = attn(x)
+        out = _attention(attn, x, False)
         out.sum().backward()
         assert x.grad is not None and torch.isfinite(x.grad).all()
         assert not any((tmp_path / "kernels").glob("*"))  # nothing half-built left behind
@@ -163,14 +173,18 @@ def test_kernel_operators_match_their_fake_versions(packed):
 @needs_kernel
 @pytest.mark.parametrize("bf16", [False, True])
 def test_torch_compile_calls_the_kernel_and_gives_eagers_numbers(bf16):
-    # aot_eager: dynamo and AOTAutograd trace the model as inductor receives it (no graph
+    # aot_eager: dynamo and AOTAutograd trace the forward as inductor receives it (no graph
     # break at the kernel), without inductor's half minute of code generation.
     attn, x = seeded_attention(17, 32, 2, causal=False, batch=2)
-    compiled = torch.compile(attn, backend="aot_eager", fullgraph=True)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return _attention(attn, x, False)
+
+    compiled = torch.compile(forward, backend="aot_eager", fullgraph=True)
     outs = []
-    for model in (compiled, attn):
+    for run in (compiled, forward):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            outs.append(model(x).float())
+            outs.append(run(x).float())
     params = [x, attn.qkv.weight, attn.proj.weight]
     assert_same_values_and_gradients(*outs, params, atol=0, rtol=0)
     with torch.profiler.profile() as prof:  # compiled by now: one call of the kernel each way

@@ -7,17 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import assert_same_values_and_gradients, count_applies
-from vit_mnist.models import EncoderBlock, VisionTransformer, native
+from vit_mnist.models import VisionTransformer
+from vit_mnist.speed import native
+from vit_mnist.speed.native_forward import _add_norm, _block_deferred, native_vit_forward
+from vit_mnist.speed.paths import PATHS
 
-
-def kernel_builds() -> bool:
-    return native.add_norm_usable(torch.zeros(1, 64), None, torch.nn.LayerNorm(64))
-
-
+_WHY_NOT = PATHS["native"].unavailable(torch.device("cpu"))
 needs_kernel = pytest.mark.skipif(
-    not kernel_builds(),
-    reason="the fused add and LayerNorm kernel cannot be built here (no C++ compiler, no "
-    "OpenMP or no AVX-512)",
+    _WHY_NOT is not None, reason=f"the native path cannot run here: {_WHY_NOT}"
 )
 
 
@@ -72,42 +69,42 @@ def test_kernel_gives_pytorchs_numbers(dim, branch_dtype, bf16_out):
         torch.testing.assert_close(a.float(), b.float(), atol=1e-5, rtol=1e-5, msg=name)
 
 
-def ours(native_kernel: bool, **kwargs) -> VisionTransformer:
+def ours(**kwargs) -> VisionTransformer:
     torch.manual_seed(0)
-    model = VisionTransformer(embed_dim=32, depth=2, num_heads=2, patch_size=7, **kwargs)
-    for m in model.modules():
-        if isinstance(m, EncoderBlock | VisionTransformer):
-            m.native_kernel = native_kernel
-    return model
+    return VisionTransformer(embed_dim=32, depth=2, num_heads=2, patch_size=7, **kwargs)
+
+
+def native_full_forward(net: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
+    """``native_vit_forward`` with every block run for all tokens (none CLS-only): the
+    last block's MLP branch meets the final LayerNorm in the kernel (``for_linear=False``)."""
+    x, branch = net._embed(x), None
+    for block in net.blocks:
+        x, branch = _block_deferred(block, x, branch)
+    return net.forward_head(_add_norm(x, branch, net.norm, for_linear=False)[1])
 
 
 @needs_kernel
 @pytest.mark.parametrize("bf16", [False, True])
-def test_model_with_the_kernel_gives_pytorchs_numbers(bf16):
-    fast, slow = ours(True), ours(False)
+def test_native_forward_gives_the_models_numbers(bf16):
+    model = ours()
     x = torch.randn(4, 1, 28, 28)
     outs = []
-    for model in (fast, slow):
+    for forward in (PATHS["native"].build(model), model):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            outs.append(model(x).float())
+            outs.append(forward(x).float())
     tol = 2e-2 if bf16 else 1e-5  # bf16: one rounding boundary crossed moves a bf16 step
-    for (name, a), b in zip(fast.named_parameters(), slow.parameters(), strict=True):
-        assert torch.equal(a, b), name
     torch.testing.assert_close(*outs, atol=tol, rtol=tol)
-    grads = [
-        torch.autograd.grad(out.square().sum(), list(model.parameters()))
-        for out, model in zip(outs, (fast, slow), strict=True)
-    ]
-    for (name, _), a, b in zip(fast.named_parameters(), *grads, strict=True):
+    grads = [torch.autograd.grad(out.square().sum(), list(model.parameters())) for out in outs]
+    for (name, _), a, b in zip(model.named_parameters(), *grads, strict=True):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=name)
 
 
 @needs_kernel
-def test_forward_features_and_forward_agree_with_the_kernel():
-    model = ours(True)
+def test_cls_only_and_full_last_block_agree_with_the_kernel():
+    model = ours()
     x = torch.randn(3, 1, 28, 28)
-    fast = model(x)  # the last block for the CLS token only
-    full = model.forward_head(model.forward_features(x))
+    fast = native_vit_forward(model, x)  # the last block for the CLS token only
+    full = native_full_forward(model, x)
     assert_same_values_and_gradients(fast, full, list(model.parameters()), atol=1e-6, rtol=1e-5)
 
 
@@ -118,26 +115,19 @@ def calls_to_kernel(monkeypatch) -> list[int]:
 @needs_kernel
 def test_kernel_runs_in_cpu_training_steps_only(monkeypatch):
     calls = calls_to_kernel(monkeypatch)
-    model = ours(True)
+    model = ours()
     x = torch.randn(2, 1, 28, 28)
-    model(x)  # depth 2: norm1 and norm2 of block 0, norm1 of block 1 (the CLS-only block)
+    native_vit_forward(model, x)  # depth 2: norm1 and norm2 of block 0, norm1 of block 1
     assert len(calls) == 3
-    model.forward_features(x)  # 4 in the blocks, and the final norm
+    native_full_forward(model, x)  # 4 in the blocks, and the final norm
     assert len(calls) == 8
     with torch.no_grad():
-        model(x)  # inference: PyTorch's operations, the reference numbers
-    model.forward_with_attention(x)  # the attention weights' path: plain blocks
-    ours(False)(x)
-    model.double()(x.double())  # float64: not a dtype the kernel takes
+        native_vit_forward(model, x)  # inference: PyTorch's operations, the reference numbers
+    model(x)  # the model as written never calls it, nor its attention weights' path
+    model.forward_with_attention(x)
+    model.double()
+    native_vit_forward(model, x.double())  # float64: not a dtype the kernel takes
     assert len(calls) == 8
-
-
-@needs_kernel
-def test_the_environment_variable_turns_the_kernel_off(monkeypatch):
-    calls = calls_to_kernel(monkeypatch)
-    monkeypatch.setenv("VIT_MNIST_NATIVE_ATTENTION", "0")
-    ours(True)(torch.randn(2, 1, 28, 28))
-    assert calls == []
 
 
 def test_without_a_compiler_it_warns_and_pytorchs_operations_run(monkeypatch, tmp_path):
@@ -148,8 +138,9 @@ def test_without_a_compiler_it_warns_and_pytorchs_operations_run(monkeypatch, tm
     try:
         with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler found"):
             assert not native.add_norm_usable(torch.zeros(2, 48), None, torch.nn.LayerNorm(48))
-        model = ours(True)
-        model(torch.randn(2, 1, 28, 28)).sum().backward()
+        model = ours()
+        with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler found"):
+            native_vit_forward(model, torch.randn(2, 1, 28, 28)).sum().backward()
         assert all(torch.isfinite(p.grad).all() for p in model.parameters())
         assert not any((tmp_path / "kernels").glob("*"))  # nothing half-built left behind
     finally:
@@ -161,8 +152,13 @@ def test_without_a_compiler_it_warns_and_pytorchs_operations_run(monkeypatch, tm
 def test_torch_compile_traces_pytorchs_operations_instead(monkeypatch):
     # Inductor fuses the add and the LayerNorm itself; the kernel stays out of the graph.
     calls = calls_to_kernel(monkeypatch)
-    model = ours(True)
+    model = ours()
     x = torch.randn(2, 1, 28, 28)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(x), ours(False)(x), atol=0, rtol=0)
+    compiled = torch.compile(native_vit_forward, backend="aot_eager", fullgraph=True)
+    out = compiled(model, x)
+    assert calls == []
+    # The reference: the same forward in eager mode with the add and LayerNorm kernel off
+    # (the attention kernel still on, as the compiled graph calls it).
+    monkeypatch.setattr(native, "add_norm_usable", lambda *args: False)
+    torch.testing.assert_close(out, native_vit_forward(model, x), atol=0, rtol=0)
     assert calls == []

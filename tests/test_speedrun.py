@@ -27,7 +27,7 @@ def test_speedrun_recipe_composes_as_documented(tmp_path):
     assert cfg.trainer.strategy == "ddp" and cfg.trainer.accelerator == "cpu"
     assert cfg.trainer.devices * cfg.data.batch_size == 128
     assert cfg.callbacks.get("attention_maps") is None
-    assert cfg.model.compile is True
+    assert cfg.speed.path == "compile"
     # One validation, after the last epoch, wherever the user moves the last epoch.
     assert cfg.trainer.check_val_every_n_epoch == cfg.trainer.max_epochs == 18
     longer = compose_config("train", ["experiment=speedrun", "trainer.max_epochs=20"], tmp_path)
@@ -42,7 +42,8 @@ def test_speedrun_script_reports_every_seed(tmp_path, capsys):
         "data=synthetic",
         "trainer.max_epochs=1",
         *TINY_MODEL,
-        "model.compile=false",
+        "speed.path=reference",
+        "trainer.precision=32-true",
         "module.lr=3e-3",
     ]
     # A target nothing reaches: exit status 1, after every seed has run and been printed.

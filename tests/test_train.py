@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from tests.conftest import compose_config
 from vit_mnist.errors import CheckpointError, ConfigError
 from vit_mnist.evaluate import evaluate, read_checkpoint
-from vit_mnist.module import ViTClassifier, compile_settings, resolve_compile_mode
+from vit_mnist.module import ViTClassifier
 from vit_mnist.train import train
 
 SCALARS = {
@@ -98,23 +98,25 @@ def test_fused_attention_and_bf16_train(make_train_cfg):
     assert torch.isfinite(torch.tensor(metrics["test/loss"]))
 
 
-def test_precision_defaults_to_bf16_where_the_hardware_has_it(make_train_cfg, tmp_path):
-    from vit_mnist.utils import has_native_bf16, resolve_precision
+def test_auto_chooses_path_and_precision_by_measurement_then_from_the_cache(
+    make_train_cfg, tmp_path, monkeypatch
+):
+    from vit_mnist.speed.hardware import has_native_bf16
 
-    cfg = make_train_cfg("trainer.max_epochs=1")
-    expected = "bf16-mixed" if has_native_bf16(False) else "32-true"
-    # The composed config holds a value Lightning accepts, and train() uses it.
-    assert cfg.trainer.precision == expected
-    assert resolve_precision("auto", False) == expected
-    assert resolve_precision("32-true", False) == "32-true"
-    assert train(cfg)["precision"] == expected
-    fp32 = make_train_cfg(
-        "trainer.max_epochs=1", "trainer.precision=32-true", output_dir=tmp_path / "fp32"
-    )
-    assert train(fp32)["precision"] == "32-true"
+    monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path / "cache"))
+    overrides = ["speed.path=auto", "trainer.precision=auto", "trainer.max_epochs=1", "test=false"]
+    first = train(make_train_cfg(*overrides))
+    assert first["speed_choice"] == "measured"
+    timed = first["speed_images_per_s"]
+    assert first["speed_path"] + " " + first["precision"] == max(timed, key=timed.get)
+    # bf16 is a candidate only where the hardware computes it.
+    assert any("bf16" in k for k in timed) == has_native_bf16(False)
+    second = train(make_train_cfg(*overrides, output_dir=tmp_path / "again"))
+    assert second["speed_choice"] == "cached" and second["speed_choice_s"] < 1.0
+    assert (second["speed_path"], second["precision"]) == (first["speed_path"], first["precision"])
 
 
-def test_compile_keeps_plain_checkpoints(make_train_cfg, monkeypatch):
+def test_compile_path_keeps_plain_checkpoints(make_train_cfg, monkeypatch):
     compiled = []
     real_compile = torch.compile
 
@@ -126,51 +128,32 @@ def test_compile_keeps_plain_checkpoints(make_train_cfg, monkeypatch):
     monkeypatch.setattr(torch, "compile", fast_compile)
     torch._dynamo.reset()
     counters.clear()
-    cfg = make_train_cfg("model.compile=true", "trainer.max_epochs=1")
+    cfg = make_train_cfg("speed.path=compile", "trainer.max_epochs=1")
     metrics = train(cfg)
+    assert metrics["speed_path"] == "compile" and metrics["compile_time_s"] is not None
     # One graph for validation (no_grad), one for training, one for the test (inference
     # mode). A fourth meant a recompile, as when einops met the cls_token Parameter.
     assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
-    assert len(compiled) == 1 and compiled[0][0].__class__.__name__ == "VisionTransformer"
-    assert compiled[0][1] == {"dynamic": True, "mode": "default"}
+    assert len(compiled) == 1 and compiled[0][1] == {"dynamic": True}
     state = read_checkpoint(metrics["best_ckpt"])["state_dict"]
     assert state and all(k.startswith("net.") for k in state)
-    # The checkpoint loads into the plain model, and evaluates to the same accuracy.
-    model = ViTClassifier.load_from_checkpoint(
-        metrics["best_ckpt"], map_location="cpu", weights_only=True
-    )
-    assert model.hparams.model["compile"] is True
-    with pytest.raises(Exception, match="model.compile='yes'"):
-        train(make_train_cfg("model.compile=yes"))
+    ViTClassifier.load_from_checkpoint(metrics["best_ckpt"], map_location="cpu", weights_only=True)
 
 
-def test_compile_on_the_cpu_needs_a_cpp_compiler(make_train_cfg):
+def test_model_compile_is_refused_with_the_new_setting(make_train_cfg):
+    with pytest.raises(ConfigError, match=r"model.compile=True is no longer .* speed.path=compile"):
+        train(make_train_cfg("+model.compile=true"))
+    with pytest.raises(ConfigError, match=r"speed.path='warp' is unknown"):
+        train(make_train_cfg("speed.path=warp"))
+
+
+def test_compile_path_on_the_cpu_needs_a_cpp_compiler(make_train_cfg):
     import torch._inductor.config as inductor_config
 
-    cfg = make_train_cfg("model.compile=true", "trainer.accelerator=cpu")
+    cfg = make_train_cfg("speed.path=compile", "trainer.accelerator=cpu")
     with inductor_config.patch({"cpp.cxx": (None, "/nonexistent/g++")}):
-        with pytest.raises(ConfigError, match=r"model.compile=true on the CPU needs a C\+\+"):
+        with pytest.raises(ConfigError, match=r"speed.path=compile cannot run here: no work"):
             train(cfg)
-
-
-@pytest.mark.parametrize(
-    ("value", "mode"),
-    [
-        (False, None),
-        (None, None),
-        (True, "default"),
-        ("default", "default"),
-        ("max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs"),
-    ],
-)
-def test_compile_mode(value, mode):
-    assert resolve_compile_mode(value) == mode
-
-
-@pytest.mark.parametrize("value", ["yes", "max_autotune", 1, 0.0])
-def test_compile_mode_rejects(value):
-    with pytest.raises(ConfigError, match=f"model.compile={value!r} must be true, false or a"):
-        resolve_compile_mode(value)
 
 
 @pytest.mark.real_data
@@ -234,20 +217,3 @@ def test_device_line_names_threads_and_processes(monkeypatch, threads, processes
     monkeypatch.setattr(utils, "cpu_name", lambda: "CPU")
     monkeypatch.setattr(utils.torch, "get_num_threads", lambda: threads)
     assert utils.describe_device(torch.device("cpu"), processes) == expected
-
-
-def test_compile_settings_apply_inside_and_restore_after():
-    import torch._dynamo.config as dynamo_config
-    import torch._functorch.config as functorch_config
-
-    keys = [
-        (dynamo_config, "specialize_float"),
-        (functorch_config, "autograd_cache_allow_custom_autograd_functions"),
-    ]
-    # compile_settings leaves out what a torch version lacks; torch 2.15 has both.
-    keys = [(config, key) for config, key in keys if hasattr(config, key)]
-    assert keys
-    before = [getattr(config, key) for config, key in keys]
-    with compile_settings():
-        assert all(getattr(config, key) is True for config, key in keys)
-    assert [getattr(config, key) for config, key in keys] == before

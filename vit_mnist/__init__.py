@@ -9,14 +9,3 @@ from omegaconf import OmegaConf
 # its sweep dir (outputs/<task>/multiruns/...), before any job has started.
 OmegaConf.register_new_resolver("vit_mnist.cwd", os.getcwd, replace=True)
 
-
-def _auto_precision(accelerator: str = "auto") -> str:
-    from vit_mnist.utils import resolve_precision, uses_cuda
-
-    return resolve_precision("auto", uses_cuda(str(accelerator)))
-
-
-# configs/trainer/default.yaml: `precision: ${vit_mnist.auto_precision:${.accelerator}}`,
-# bf16-mixed where the hardware has bfloat16, else 32-true (a value Lightning accepts, so the
-# trainer config can be instantiated as it is).
-OmegaConf.register_new_resolver("vit_mnist.auto_precision", _auto_precision, replace=True)

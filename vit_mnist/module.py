@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import random
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -19,61 +17,11 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vit_mnist.errors import ConfigError, NonFiniteLossError
 from vit_mnist.models.vit import VisionTransformer
+from vit_mnist.speed.paths import PATHS
 from vit_mnist.utils import pin_to_cores
 
 RUN_INFO_KEY = "vit_mnist"
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def compile_settings() -> Iterator[None]:
-    """torch.compile settings under which :class:`ViTClassifier` calls its compiled model.
-
-    Both cut the compile time of every run after the first, and neither changes the compiled
-    code's numbers or speed (measured: docs in the README's Speedrun section):
-
-    - ``torch._dynamo.config.specialize_float=True``: with ``dynamic=True`` Dynamo first
-      traces float module attributes (dropout ``p``, LayerNorm ``eps``) as symbols, then
-      specialises them and restarts the whole analysis; this traces them as the constants
-      they are, once.
-    - ``torch._functorch.config.autograd_cache_allow_custom_autograd_functions=True``:
-      AOTAutograd's on-disk cache otherwise skips any graph holding an
-      ``autograd.Function`` (here the explicit attention's hand-written backward,
-      :class:`vit_mnist.models.attention._ExplicitAttention`), so every process traced the
-      training graph again. The Function's forward and backward are traced into the graph,
-      and so into the cache key: a change to either is a miss, not a stale hit (PyTorch
-      keeps the switch off by default while it tests it, pytorch/pytorch#149751).
-
-    A setting that this torch version lacks is left out.
-    """
-    import torch._dynamo.config  # noqa: F401  (loaded by torch.compile; named here to be sure)
-    import torch._functorch.config  # noqa: F401
-
-    with contextlib.ExitStack() as stack:
-        for config, key in (
-            (torch._dynamo.config, "specialize_float"),
-            (torch._functorch.config, "autograd_cache_allow_custom_autograd_functions"),
-        ):
-            if hasattr(config, key):
-                stack.enter_context(config.patch(**{key: True}))
-        yield
-
-
-class CompiledUnderSettings(nn.Module):
-    """``torch.compile(model, **compile_kwargs)``, every call made under
-    :func:`compile_settings`: any call may compile (the first, a new grad mode, a
-    recompile), each one under the same settings. Entering them costs about 40 us a call.
-
-    Shapes: those of ``model``.
-    """
-
-    def __init__(self, model: nn.Module, **compile_kwargs: Any) -> None:
-        super().__init__()
-        self.compiled = torch.compile(model, **compile_kwargs)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with compile_settings():
-            return self.compiled(*args, **kwargs)
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -95,30 +43,6 @@ def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_rati
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def resolve_compile_mode(value: Any) -> str | None:
-    """``model.compile`` -> the ``mode`` for :func:`torch.compile`, or None for no compiling.
-
-    ``false`` turns compiling off, ``true`` means torch.compile's ``"default"`` mode, and
-    a mode name (``default``, ``max-autotune-no-cudagraphs``, ...; see
-    ``torch._inductor.list_mode_options()``) is passed on as it is.
-
-    Raises:
-        ConfigError: anything else, naming the value and the choices.
-    """
-    if value is False or value is None:
-        return None
-    if value is True:
-        return "default"
-    from torch._inductor import list_mode_options  # imported here: it loads the compiler
-
-    modes = list(list_mode_options())
-    if isinstance(value, str) and value in modes:
-        return value
-    raise ConfigError(
-        f"model.compile={value!r} must be true, false or a torch.compile mode: {', '.join(modes)}"
-    )
 
 
 def check_module_args(
@@ -158,11 +82,8 @@ class ViTClassifier(L.LightningModule):
 
     Args:
         model: keyword arguments of ``VisionTransformer`` (``patch_size``, ``embed_dim``,
-            ``depth``, ``num_heads``, ``mlp_ratio``, ...), plus ``compile``: True (or a
-            torch.compile mode name, see :func:`resolve_compile_mode`) runs training,
-            validation and test through ``torch.compile(net, dynamic=True, mode=...)``,
-            compiled before the first training step (``compile_time_s``, left out of the
-            fitting time); the weights and checkpoints are those of the plain model.
+            ``depth``, ``num_heads``, ``mlp_ratio``, ...). A ``compile`` key, which
+            checkpoints of earlier versions carry, is ignored: the speed layer chooses.
         lr: peak learning rate of AdamW.
         weight_decay: AdamW's decoupled weight decay, applied to weight matrices only
             (not to biases, norms, ``cls_token`` or ``pos_embed``).
@@ -201,8 +122,11 @@ class ViTClassifier(L.LightningModule):
         )
         self.save_hyperparameters()
         self.net = VisionTransformer(**{k: v for k, v in model.items() if k != "compile"})
-        self._compile_mode = resolve_compile_mode(model.get("compile", False))
-        self._compiled: nn.Module | None = None
+        # How training, validation and test steps run (vit_mnist.speed); the reference
+        # model until train() sets the path it chose. Kept out of the module tree
+        # (object.__setattr__): it runs self.net's own parameters.
+        self.speed_path = "reference"
+        object.__setattr__(self, "_step_forward", self.net)
         self.compile_time_s: float | None = None
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         num_classes = model.get("num_classes", 10)
@@ -218,8 +142,19 @@ class ViTClassifier(L.LightningModule):
         self._cores_before_pinning: set[int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (B, 1, 28, 28) float -> logits (B, num_classes)."""
-        return self.net(x) if self._compiled is None else self._compiled(x)
+        """Images (B, 1, 28, 28) float -> logits (B, num_classes), by the reference model."""
+        return self.net(x)
+
+    def use_speed_path(self, name: str) -> None:
+        """Run training, validation and test steps on the speed path ``name`` (a key of
+        :data:`vit_mnist.speed.paths.PATHS`); the parameters stay ``self.net``'s.
+
+        Raises:
+            KeyError: an unknown name (``train()`` checks it first).
+        """
+        path = PATHS[name]
+        self.speed_path = name
+        object.__setattr__(self, "_step_forward", path.build(self.net))
 
     def setup(self, stage: str) -> None:
         trainer = self.trainer
@@ -229,12 +164,6 @@ class ViTClassifier(L.LightningModule):
             if cores is not None:
                 self._cores_before_pinning = before
                 log.info("DDP process %d pinned to CPU cores %s", trainer.local_rank, cores)
-        if self._compile_mode is not None and self._compiled is None:
-            # Kept out of the module tree (object.__setattr__), so the state dict and the
-            # checkpoints keep the plain `net.*` names. dynamic=True: one graph serves every
-            # batch size (an epoch's last, smaller batch and the evaluation batches).
-            compiled = CompiledUnderSettings(self.net, dynamic=True, mode=self._compile_mode)
-            object.__setattr__(self, "_compiled", compiled)
 
     def teardown(self, stage: str) -> None:
         # Give rank 0 its cores back: a later fit in this process (a notebook, a test)
@@ -262,13 +191,13 @@ class ViTClassifier(L.LightningModule):
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
         start = time.perf_counter()
         with trainer.precision_plugin.forward_context():
-            self._compiled(x).float().sum().backward()
+            self._step_forward(x).float().sum().backward()
         self.net.zero_grad(set_to_none=True)
         # Validation inside fit runs under no_grad: Lightning builds the fit loop's
         # validation loop with inference_mode=False.
         self.net.eval()
         with torch.no_grad(), trainer.precision_plugin.forward_context():
-            self._compiled(x)
+            self._step_forward(x)
         self.net.train()
         torch.set_rng_state(cpu_rng)
         if cuda_rng:
@@ -282,12 +211,12 @@ class ViTClassifier(L.LightningModule):
         self.val_acc_best.reset()
         if self._resumed_val_acc_best is not None:
             self.val_acc_best(torch.tensor(self._resumed_val_acc_best))
-        if self._compiled is not None:
+        if PATHS[self.speed_path].compiles:
             self._warm_up_compiled()
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         x, y = batch
-        logits = self(x)
+        logits = self._step_forward(x)
         loss = self.criterion(logits, y)
         if not torch.isfinite(loss):
             lr = self.trainer.optimizers[0].param_groups[0]["lr"] if self.trainer else float("nan")
@@ -304,7 +233,7 @@ class ViTClassifier(L.LightningModule):
 
     def _eval_step(self, batch, acc: MulticlassAccuracy, mean_loss: MeanMetric, stage: str):
         x, y = batch
-        logits = self(x)
+        logits = self._step_forward(x)
         # Unsmoothed loss: comparable across label_smoothing settings.
         loss = nn.functional.cross_entropy(logits.float(), y)
         acc(logits, y)

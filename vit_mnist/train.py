@@ -25,7 +25,8 @@ from vit_mnist.data.sources import MNIST_MD5, raw_folder
 from vit_mnist.errors import ConfigError
 from vit_mnist.evaluate import read_checkpoint
 from vit_mnist.models.vit import check_vit_args
-from vit_mnist.module import ViTClassifier, check_module_args, resolve_compile_mode
+from vit_mnist.module import ViTClassifier, check_module_args
+from vit_mnist.speed.choose import check_speed_path, choose
 from vit_mnist.utils import (
     describe_device,
     exit_on_user_error,
@@ -74,21 +75,6 @@ def _check_device(trainer_cfg: DictConfig) -> None:
         )
 
 
-def _check_cpp_compiler(compile_value: str) -> None:
-    """torch.compile on the CPU builds C++ kernels: fail now, not after loading the data."""
-    from torch._inductor.cpp_builder import get_cpp_compiler  # loads the compiler package
-    from torch._inductor.exc import InvalidCxxCompiler
-
-    try:
-        get_cpp_compiler()
-    except InvalidCxxCompiler as e:
-        raise ConfigError(
-            f"model.compile={compile_value} on the CPU needs a C++ compiler and none works here "
-            f"({e}); install one (Debian/Ubuntu: apt-get install g++), point CXX at one, "
-            "or set model.compile=false"
-        ) from None
-
-
 def _check_launch(trainer_cfg: DictConfig) -> None:
     """DDP inside a local Hydra multirun would re-run the whole sweep in every process.
 
@@ -134,12 +120,14 @@ def check_config(cfg: DictConfig) -> None:
         ConfigError: one line naming the key, the value and what would be valid.
     """
     model = _resolved(cfg.model)
-    compile_ = model.pop("compile", False)
-    if resolve_compile_mode(compile_) and not uses_cuda(
-        str(cfg.trainer.get("accelerator", "auto"))
-    ):
-        _check_cpp_compiler("true" if compile_ is True else str(compile_))
+    if "compile" in model:
+        raise ConfigError(
+            f"model.compile={model['compile']} is no longer a model setting: torch.compile is "
+            "one of the speed paths; use speed.path=compile (or speed.path=auto, the default, "
+            "with speed.auto_compile=true to time it against the others)"
+        )
     check_vit_args(**model)
+    check_speed_path((cfg.get("speed") or {}).get("path", "auto"))
     data = cfg.data
     _positive_int("data.batch_size", data.get("batch_size"))
     if data.get("num_workers", 0) < 0:
@@ -202,10 +190,21 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     module: ViTClassifier = hydra.utils.instantiate(
         cfg.module, model=_resolved(cfg.model), _convert_="all"
     )
-    precision = resolve_precision(
-        cfg.trainer.get("precision", "auto"), uses_cuda(str(cfg.trainer.get("accelerator")))
+    speed = cfg.get("speed") or {}
+    device = torch.device("cuda" if uses_cuda(str(cfg.trainer.get("accelerator"))) else "cpu")
+    choice = choose(
+        module.net,
+        model_args=_resolved(cfg.model),
+        device=device,
+        batch_size=cfg.data.batch_size,
+        path=speed.get("path", "auto"),
+        precision=str(cfg.trainer.get("precision", "auto")),
+        include_compiled=bool(speed.get("auto_compile", False)),
+        use_cache=bool(speed.get("cache", True)),
     )
-    log.info("precision: %s (trainer.precision=%s)", precision, cfg.trainer.get("precision"))
+    module.use_speed_path(choice.path)
+    precision = choice.precision
+    log.info(choice.describe(device))
     module.run_info = {
         "data": _resolved(cfg.data),
         "precision": precision,
@@ -254,10 +253,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "num_params": num_params,
         "model": _resolved(cfg.model),
         "train_time_s": round(train_time_s, 2),
+        # The speed layer's choice (vit_mnist.speed): path, how it was chosen, its cost
+        # (left out of train_time_s and fit_time_s) and the figures it was chosen on.
+        "speed_path": choice.path,
+        "speed_choice": choice.how,
+        "speed_choice_s": round(choice.seconds, 3),
+        "speed_images_per_s": {k: round(v, 1) for k, v in choice.images_per_s.items()},
         # First training step to the end of the last (validations included; process
         # start, data preparation, sanity check and test left out): the speedrun's clock.
         "fit_time_s": round(throughput.fit_time_s, 2) if throughput.fit_time_s else None,
-        # torch.compile's warm-up before the first step (model.compile=true), else None.
+        # torch.compile's warm-up before the first step (speed.path=compile), else None.
         "compile_time_s": (
             round(module.compile_time_s, 2) if module.compile_time_s is not None else None
         ),

@@ -6,7 +6,6 @@ import json
 import logging
 import math
 import os
-import platform
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -18,6 +17,7 @@ from hydra.errors import InstantiationException
 
 from vit_mnist.data.sources import atomic_write_bytes
 from vit_mnist.errors import CheckpointError, ConfigError, DataError, NonFiniteLossError
+from vit_mnist.speed.hardware import cpu_name, has_native_bf16
 
 log = logging.getLogger(__name__)
 
@@ -46,33 +46,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo (Linux), else ``platform.processor()``."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def uses_cuda(accelerator: str) -> bool:
     """Whether a Lightning ``accelerator`` setting runs on CUDA on this machine."""
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-
-
-def has_native_bf16(on_cuda: bool) -> bool:
-    """Whether this machine computes in bfloat16 natively: a CUDA GPU from Ampere on, or a
-    CPU with AVX512-BF16 or AMX (where oneDNN runs bf16 matrix products at 2 to 4 times the
-    float32 rate: 430 against 195 GFLOP/s for 2048 x 2048 products on a 2-core Zen 5).
-    Elsewhere bf16 is emulated and slower than float32."""
-    if on_cuda:
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    try:
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    except AttributeError:  # an older or non-x86 build: say no rather than guess
-        return False
 
 
 def resolve_precision(precision: Any, on_cuda: bool) -> str:

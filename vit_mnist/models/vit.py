@@ -15,68 +15,8 @@ from einops import rearrange
 from torch import nn
 from torchvision.ops import StochasticDepth
 
-from vit_mnist.errors import ConfigError
-from vit_mnist.models import native
-from vit_mnist.models.attention import MultiHeadSelfAttention, check_attention_args
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name}={value!r} must be a positive integer")
-
-
-def _check_rate(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
-        raise ConfigError(f"{name}={value!r} must be a probability in [0, 1)")
-
-
-def check_vit_args(
-    *,
-    img_size: int = 28,
-    patch_size: int = 4,
-    in_chans: int = 1,
-    num_classes: int = 10,
-    embed_dim: int = 64,
-    depth: int = 6,
-    num_heads: int = 4,
-    mlp_ratio: float = 2.0,
-    dropout: float = 0.0,
-    attn_dropout: float = 0.0,
-    attention_impl: str = "auto",
-    causal: bool = False,
-    qkv_bias: bool = True,
-    drop_path_rate: float = 0.0,
-) -> None:
-    """Check :class:`VisionTransformer` arguments without building anything.
-
-    Called by the constructor and, before any data is loaded, by ``train(cfg)``.
-
-    Raises:
-        ConfigError (a ValueError): the message names the offending values, e.g.
-            ``embed_dim=64 is not divisible by num_heads=3``.
-    """
-    for name, value in (
-        ("img_size", img_size),
-        ("patch_size", patch_size),
-        ("in_chans", in_chans),
-        ("num_classes", num_classes),
-        ("depth", depth),
-    ):
-        _check_positive_int(name, value)
-    if img_size % patch_size != 0:
-        divisors = [d for d in range(1, img_size + 1) if img_size % d == 0]
-        raise ConfigError(
-            f"patch_size={patch_size} does not divide img_size={img_size}: "
-            f"use a patch_size from {divisors}"
-        )
-    if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, int | float) or mlp_ratio <= 0:
-        raise ConfigError(f"mlp_ratio={mlp_ratio!r} must be a positive number")
-    _check_rate("dropout", dropout)
-    _check_rate("attn_dropout", attn_dropout)
-    _check_rate("drop_path_rate", drop_path_rate)
-    check_attention_args(embed_dim=embed_dim, num_heads=num_heads, impl=attention_impl)
-    if round(embed_dim * mlp_ratio) <= 0:
-        raise ConfigError(f"mlp_ratio={mlp_ratio} gives an MLP of width 0 at embed_dim={embed_dim}")
+from vit_mnist.models.attention import MultiHeadSelfAttention
+from vit_mnist.models.checks import check_vit_args
 
 
 class PatchEmbedding(nn.Module):
@@ -125,17 +65,11 @@ class MLP(nn.Module):
 
 
 class EncoderBlock(nn.Module):
-    """Pre-norm transformer encoder block (ViT eq. 2-3).
+    """Pre-norm transformer encoder block: ViT eq. 2 and 3, one residual line each.
 
     Shapes: (batch, tokens, embed_dim) -> (batch, tokens, embed_dim); with
     ``need_weights=True`` also the attention weights (batch, num_heads, tokens, tokens).
-
-    In a CPU training step each residual add and the LayerNorm after it run as one C++
-    kernel (:func:`~vit_mnist.models.native.add_norm`; float32 rounding apart, the same
-    numbers); set the attribute ``native_kernel = False`` to run PyTorch's operations.
     """
-
-    native_kernel: bool = True
 
     def __init__(
         self,
@@ -145,7 +79,7 @@ class EncoderBlock(nn.Module):
         mlp_ratio: float = 2.0,
         dropout: float = 0.0,
         attn_dropout: float = 0.0,
-        attention_impl: str = "auto",
+        attention_impl: str = "explicit",
         causal: bool = False,
         qkv_bias: bool = True,
         drop_path: float = 0.0,
@@ -172,74 +106,11 @@ class EncoderBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, need_weights: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if need_weights:
-            attn_out, weights = self.attn(self.norm1(x), need_weights=True)
-            x = x + self.drop_path(attn_out)
-            return x + self.drop_path(self.mlp(self.norm2(x))), weights
-        x, mlp_out = self.forward_deferred(x)
-        return x + mlp_out
-
-    def forward_deferred(
-        self, x: torch.Tensor, branch: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block on ``x + branch``, with its MLP branch returned instead of added.
-
-        Returns ``(z, m)`` with ``z + m == forward(x + branch)`` (``branch`` None: ``x``).
-        A stack of blocks hands ``m`` to the next block as its ``branch``, so that every
-        residual add meets the LayerNorm after it, and on the CPU the two run as one C++
-        pass each way (:func:`~vit_mnist.models.native.add_norm`) where PyTorch takes
-        four (cast, add, LayerNorm, cast) and as many back.
-
-        Shapes: (batch, tokens, embed_dim) in and out; ``m`` in the MLP's output dtype
-        (bfloat16 under bf16 autocast).
-        """
-        x, h = self._add_norm(x, branch, self.norm1)
-        x, h = self._add_norm(x, self.drop_path(self.attn(h)), self.norm2)
-        return x, self.drop_path(self.mlp(h))
-
-    def forward_cls(self, x: torch.Tensor, branch: torch.Tensor | None = None) -> torch.Tensor:
-        """The block's output for the CLS token (token 0) alone, on ``x + branch``.
-
-        Equal to ``forward(x + branch)[:, :1]``: every token's keys and values are still
-        computed, but the other tokens' attention rows, ``W^O``, second LayerNorm and MLP
-        are not. The classifier's last block needs nothing more, because only the CLS
-        token reaches the head (ViT eq. 4).
-
-        Shapes: (batch, tokens, embed_dim) -> (batch, 1, embed_dim).
-        """
-        x, h = self._add_norm(x, branch, self.norm1)
-        cls = x[:, :1] + self.drop_path(self.attn.forward_cls(h))
-        return cls + self.drop_path(self.mlp(self.norm2(cls)))
-
-    def _add_norm(
-        self, x: torch.Tensor, branch: torch.Tensor | None, norm: nn.LayerNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # norm's output feeds a Linear (qkv, fc1): under bf16 autocast the kernel hands it
-        # over already rounded to bfloat16, the values autocast's cast would give.
-        return _add_norm(x, branch, norm, native_kernel=self.native_kernel, for_linear=True)
-
-
-def _add_norm(
-    x: torch.Tensor,
-    branch: torch.Tensor | None,
-    norm: nn.LayerNorm,
-    *,
-    native_kernel: bool,
-    for_linear: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x + branch, norm(x + branch))``: in one C++ pass in a CPU training step where
-    :func:`~vit_mnist.models.native.add_norm_usable` says so, else PyTorch's operations
-    (float32 output). The two agree to float32 rounding."""
-    if (
-        native_kernel
-        and torch.is_grad_enabled()
-        and x.requires_grad
-        and native.add_norm_usable(x, branch, norm)
-    ):
-        return native.add_norm(x, branch, norm, for_linear=for_linear)
-    if branch is not None:
-        x = x + branch
-    return x, norm(x)
+        attn_out = self.attn(self.norm1(x), need_weights=need_weights)
+        attn_out, weights = attn_out if need_weights else (attn_out, None)
+        x = x + self.drop_path(attn_out)  # z'_l = MSA(LN(z_{l-1})) + z_{l-1}   (eq. 2)
+        x = x + self.drop_path(self.mlp(self.norm2(x)))  # z_l = MLP(LN(z'_l)) + z'_l  (eq. 3)
+        return (x, weights) if need_weights else x
 
 
 class VisionTransformer(nn.Module):
@@ -273,14 +144,7 @@ class VisionTransformer(nn.Module):
 
     Raises:
         ConfigError (a ValueError): an impossible combination, naming the values.
-
-    The C++ kernels of :mod:`~vit_mnist.models.native` (attention, residual add with
-    LayerNorm) serve CPU training steps; the attribute ``native_kernel = False`` on this
-    model, its blocks and their attention modules turns them off (the environment variable
-    ``VIT_MNIST_NATIVE_ATTENTION=0`` turns them off everywhere).
     """
-
-    native_kernel: bool = True  # the final LayerNorm's (see EncoderBlock)
 
     def __init__(
         self,
@@ -301,22 +165,8 @@ class VisionTransformer(nn.Module):
         drop_path_rate: float = 0.0,
     ) -> None:
         super().__init__()
-        check_vit_args(
-            img_size=img_size,
-            patch_size=patch_size,
-            in_chans=in_chans,
-            num_classes=num_classes,
-            embed_dim=embed_dim,
-            depth=depth,
-            num_heads=num_heads,
-            mlp_ratio=mlp_ratio,
-            dropout=dropout,
-            attn_dropout=attn_dropout,
-            attention_impl=attention_impl,
-            causal=causal,
-            qkv_bias=qkv_bias,
-            drop_path_rate=drop_path_rate,
-        )
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        check_vit_args(**arguments)  # every constructor argument, by name
         self.num_heads = num_heads
         self.depth = depth
         self.patch_embed = PatchEmbedding(
@@ -368,32 +218,17 @@ class VisionTransformer(nn.Module):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normalised tokens (B, 1 + num_patches, embed_dim)."""
         x = self._embed(x)
-        mlp_out = None
         for block in self.blocks:
-            x, mlp_out = block.forward_deferred(x, mlp_out)
-        _, tokens = _add_norm(
-            x, mlp_out, self.norm, native_kernel=self.native_kernel, for_linear=False
-        )
-        return tokens
+            x = block(x)
+        return self.norm(x)
 
     def forward_head(self, x: torch.Tensor) -> torch.Tensor:
-        """Tokens (B, T, embed_dim) -> logits (B, num_classes) from the CLS token."""
+        """Tokens (B, T, embed_dim) -> logits (B, num_classes) from the CLS token (eq. 4)."""
         return self.head(x[:, 0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (B, C, H, W) -> logits (B, num_classes).
-
-        The same numbers as ``forward_head(forward_features(x))``, but the last block
-        runs for the CLS token alone (:meth:`EncoderBlock.forward_cls`): no later layer
-        reads the patch tokens' outputs there. At the default architecture this made a
-        training step 1.08x to 1.13x faster in interleaved runs on a 2-core CPU (README,
-        "The model").
-        """
-        x = self._embed(x)
-        mlp_out = None
-        for block in self.blocks[:-1]:
-            x, mlp_out = block.forward_deferred(x, mlp_out)
-        return self.forward_head(self.norm(self.blocks[-1].forward_cls(x, mlp_out)))
+        """Images (B, C, H, W) -> logits (B, num_classes)."""
+        return self.forward_head(self.forward_features(x))
 
     def forward_with_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits and every block's attention weights, via the explicit path.

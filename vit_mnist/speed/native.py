@@ -1,28 +1,28 @@
-"""The fused CPU kernels (``attention_cpu.cpp``, ``layer_norm_cpu.cpp``): building, loading
-and autograd.
+"""The C++ kernels of the ``native`` speed paths (``attention_cpu.cpp``,
+``layer_norm_cpu.cpp``): building, loading and autograd.
 
-On the CPU, the explicit path's training step, softmax(Q K^T * scale) V and its backward,
-runs in one C++ kernel per (image, head) instead of a dozen PyTorch operations. At the
-default architecture (50 tokens, head_dim 16, batch 256, 2-core Zen 5) it made a training
-step 1.17x faster in float32 and 1.24x in bf16 (docs/benchmarks.md, commit 123e002); the
-numbers are the explicit path's, to float32 rounding (under bf16 autocast, bit for bit on
-a CPU with AVX512-BF16, else to a bfloat16 step).
+- Attention: softmax(Q K^T * scale) V and its backward for all heads of an image in one
+  kernel call (:class:`FusedCPUAttention`), where PyTorch takes a dozen operations.
+- Residual add + LayerNorm (:func:`add_norm`): one pass each way where PyTorch takes four
+  (cast, add, LayerNorm, cast).
 
-A second kernel (``layer_norm_cpu.cpp``, :func:`add_norm`) runs a block's residual add and
-the LayerNorm after it in one pass each way, where PyTorch takes four (cast, add,
-LayerNorm, cast); with it the bf16 step was 1.09x to 1.14x faster again (README, Speed).
+They are written for AVX-512 (F, BW, VL; ``vdpbf16ps`` where the CPU has AVX512-BF16):
+:mod:`vit_mnist.speed.paths` offers the ``native`` paths only on such CPUs, and
+``speed.path=auto`` takes one only where it measures fastest. On a 2-core Zen 5 they beat
+torch.compile of the same model in bf16 (docs/speed.md); on a Zen 3 (AVX2) the attention
+kernel was slower than PyTorch's operations, hence the restriction.
 
-Eager code calls the attention kernel through :class:`FusedCPUAttention`; ``torch.compile``
-sees it as two custom operators, ``vit_mnist::attention_forward`` and
-``vit_mnist::attention_backward``, and fuses the operations around them. The add and
-LayerNorm kernel stays out of compiled graphs (inductor fuses those operations itself).
+``torch.compile`` sees the attention kernel as two custom operators,
+``vit_mnist::attention_forward`` and ``vit_mnist::attention_backward``, and fuses the
+operations around them (the ``compile_native`` path). The add and LayerNorm kernel stays
+out of compiled graphs (inductor fuses those operations itself).
 
 Each kernel is compiled on first use with the system's C++ compiler (``$CXX``, else ``c++``,
 ``g++`` or ``clang++``) for this CPU (``-march=native``) and OpenMP, then cached under
-``$VIT_MNIST_CACHE`` (default ``~/.cache/vit_mnist``), one library per shape class, about
-1 s each. Where it cannot be used (no compiler, a torch without OpenMP, a sequence longer
-than 128 tokens, a head wider than 64, float16, or ``VIT_MNIST_NATIVE_ATTENTION=0``) the
-explicit path runs on PyTorch operations as before, with the same numbers.
+``$VIT_MNIST_CACHE/kernels`` (default ``~/.cache/vit_mnist/kernels``), one library per
+shape class, about 1 s each. Where a kernel cannot take an input (a sequence longer than
+128 tokens, a head wider than 64, float16) the path runs that step on PyTorch operations,
+with the same numbers.
 """
 
 from __future__ import annotations
@@ -46,11 +46,6 @@ MAX_TOKENS = 128  # queries and keys: the kernel's per-thread buffers hold 128 r
 MAX_HEAD_DIM = 64
 FLAGS = ("-std=c++17", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-def enabled() -> bool:
-    """False when the environment variable ``VIT_MNIST_NATIVE_ATTENTION`` is ``0``."""
-    return os.environ.get("VIT_MNIST_NATIVE_ATTENTION", "1") != "0"
 
 
 def _compiler() -> str | None:
@@ -157,8 +152,7 @@ def _ready(dtype: torch.dtype, t_q: int, t_k: int, head_dim: int) -> bool:
     # Python values in, a bool out, so that torch.compile takes the answer as a constant
     # at tracing time instead of tracing the build and the ctypes load.
     return (
-        enabled()
-        and dtype in _DTYPES
+        dtype in _DTYPES
         and 1 <= t_q <= MAX_TOKENS
         and 1 <= t_k <= MAX_TOKENS
         and 1 <= head_dim <= MAX_HEAD_DIM
@@ -369,7 +363,7 @@ def _norm_kernel(dim: int) -> ctypes.CDLL | None:
 
 
 def _norm_ready(dim: int) -> bool:
-    return enabled() and 1 <= dim <= MAX_NORM_DIM and _norm_kernel(dim) is not None
+    return 1 <= dim <= MAX_NORM_DIM and _norm_kernel(dim) is not None
 
 
 def add_norm_usable(x: torch.Tensor, branch: torch.Tensor | None, norm: torch.nn.LayerNorm) -> bool:

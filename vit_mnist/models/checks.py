@@ -1,0 +1,68 @@
+"""Argument checks of the Vision Transformer, run before anything is built.
+
+``train(cfg)`` calls them before any data is loaded, so a bad shape fails in one line.
+"""
+
+from __future__ import annotations
+
+from vit_mnist.errors import ConfigError
+from vit_mnist.models.attention import check_attention_args
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
+
+
+def _check_rate(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
+        raise ConfigError(f"{name}={value!r} must be a probability in [0, 1)")
+
+
+def check_vit_args(
+    *,
+    img_size: int = 28,
+    patch_size: int = 4,
+    in_chans: int = 1,
+    num_classes: int = 10,
+    embed_dim: int = 64,
+    depth: int = 6,
+    num_heads: int = 4,
+    mlp_ratio: float = 2.0,
+    dropout: float = 0.0,
+    attn_dropout: float = 0.0,
+    attention_impl: str = "auto",
+    causal: bool = False,
+    qkv_bias: bool = True,
+    drop_path_rate: float = 0.0,
+) -> None:
+    """Check :class:`VisionTransformer` arguments without building anything.
+
+    Called by the constructor and, before any data is loaded, by ``train(cfg)``.
+
+    Raises:
+        ConfigError (a ValueError): the message names the offending values, e.g.
+            ``embed_dim=64 is not divisible by num_heads=3``.
+    """
+    for name, value in (
+        ("img_size", img_size),
+        ("patch_size", patch_size),
+        ("in_chans", in_chans),
+        ("num_classes", num_classes),
+        ("depth", depth),
+    ):
+        _check_positive_int(name, value)
+    if img_size % patch_size != 0:
+        divisors = [d for d in range(1, img_size + 1) if img_size % d == 0]
+        raise ConfigError(
+            f"patch_size={patch_size} does not divide img_size={img_size}: "
+            f"use a patch_size from {divisors}"
+        )
+    if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, int | float) or mlp_ratio <= 0:
+        raise ConfigError(f"mlp_ratio={mlp_ratio!r} must be a positive number")
+    _check_rate("dropout", dropout)
+    _check_rate("attn_dropout", attn_dropout)
+    _check_rate("drop_path_rate", drop_path_rate)
+    check_attention_args(embed_dim=embed_dim, num_heads=num_heads, impl=attention_impl)
+    if round(embed_dim * mlp_ratio) <= 0:
+        raise ConfigError(f"mlp_ratio={mlp_ratio} gives an MLP of width 0 at embed_dim={embed_dim}")

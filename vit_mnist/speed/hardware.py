@@ -1,0 +1,86 @@
+"""What machine a training step runs on: CPU model, instruction-set class, GPU name.
+
+Every speed figure and every cached speed choice is keyed by these, because no path is
+fastest everywhere (docs/speed.md).
+"""
+
+from __future__ import annotations
+
+import platform
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+
+@lru_cache(maxsize=1)
+def _cpuinfo_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else ``platform.processor()``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def isa_class() -> str:
+    """The instruction-set class PyTorch's CPU kernels run with here.
+
+    One of ``AMX``, ``AVX512-BF16``, ``AVX-512``, ``AVX2``, ``ARM`` (with ``SVE`` when
+    PyTorch uses it) or ``default``. Follows ``ATEN_CPU_CAPABILITY``: with ``avx2`` set on
+    an AVX-512 machine this says ``AVX2``, as PyTorch's kernels (and inductor's generated
+    code) then use AVX2 only.
+    """
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "SVE256", ...
+    machine = platform.machine().lower()
+    if machine in ("arm64", "aarch64"):
+        return "ARM SVE" if capability.startswith("SVE") else "ARM"
+    if capability == "AVX512":
+        flags = _cpuinfo_flags()
+        if "amx_tile" in flags and "amx_bf16" in flags:
+            return "AMX"
+        return "AVX512-BF16" if "avx512_bf16" in flags else "AVX-512"
+    if capability == "AVX2":
+        return "AVX2"
+    return "default"
+
+
+def has_native_bf16(on_cuda: bool) -> bool:
+    """Whether this machine computes in bfloat16 natively: a CUDA GPU from Ampere on, or a
+    CPU class AVX512-BF16 or AMX (oneDNN's bf16 matrix products run at 2 to 4 times the
+    float32 rate there). Elsewhere bf16 is emulated, and 10x slower than float32 on a Zen 3
+    (docs/speed.md). Follows ``ATEN_CPU_CAPABILITY`` like :func:`isa_class`."""
+    if on_cuda:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return isa_class() in ("AVX512-BF16", "AMX")
+
+
+def describe_hardware(device: torch.device) -> str:
+    """One line naming the hardware: ``AMD EPYC (AVX512-BF16), 2 threads`` or the GPU's name."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    threads = torch.get_num_threads()
+    return f"{cpu_name()} ({isa_class()}), {threads} thread{'s' if threads != 1 else ''}"
+
+
+def hardware_key(device: torch.device) -> str:
+    """What a speed measurement depends on besides the model: the CPU model and the
+    instruction-set flags that matter, or the GPU's name, and the torch version."""
+    if device.type == "cuda":
+        what = f"cuda:{torch.cuda.get_device_name(device)}"
+    else:
+        flags = sorted(f for f in _cpuinfo_flags() if f.startswith(("avx", "amx", "fma", "sve")))
+        what = f"cpu:{cpu_name()}:{isa_class()}:{','.join(flags)}:{torch.get_num_threads()}"
+    return f"{what}|torch {torch.__version__}"

@@ -1,0 +1,87 @@
+"""The reference ViT's forward pass on the C++ kernels of :mod:`vit_mnist.speed.native`.
+
+The same arithmetic as ``VisionTransformer.forward`` (to float32 rounding, see
+tests/test_speed.py), on the model's own modules, rearranged so that both kernels apply:
+
+- attention: softmax(Q K^T / sqrt(d_k)) V and its backward for all heads of an image in
+  one kernel call, reading Q, K and V straight from the packed ``qkv`` projection;
+- every residual add and the LayerNorm that reads its sum run as one pass each way. For
+  that, a block hands its MLP branch to the next block un-added (:func:`_block_deferred`),
+  where ``x + branch`` meets ``norm1``; the last one meets the final ``norm``;
+- the last block runs for the CLS token alone (only it reaches the head, ViT eq. 4).
+
+Where a kernel cannot take an input (a shape it was not built for, attention dropout in
+training, tracing), that step runs on PyTorch's operations, with the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vit_mnist.models.attention import MultiHeadSelfAttention
+from vit_mnist.models.vit import EncoderBlock, VisionTransformer
+from vit_mnist.speed import native
+from vit_mnist.speed.forward import attention_forward, explicit_core
+
+
+def _attention(attn: MultiHeadSelfAttention, x: torch.Tensor, cls_only: bool) -> torch.Tensor:
+    """``attn(x)`` (or its CLS row with ``cls_only``), in the attention kernel where it applies.
+
+    Shapes: x (B, T, D) -> (B, T, D), or (B, 1, D) with ``cls_only``.
+    """
+    d = attn.embed_dim
+    if cls_only:
+        weight, bias = attn.qkv.weight, attn.qkv.bias
+        q_src = F.linear(x[:, :1], weight[:d], None if bias is None else bias[:d])  # (B, 1, D)
+        kv_src = F.linear(x, weight[d:], None if bias is None else bias[d:])  # (B, T, 2D)
+    else:
+        q_src, kv_src = attn.qkv(x), None  # (B, T, 3D)
+    if (
+        torch.is_grad_enabled()
+        and q_src.requires_grad
+        and not torch.jit.is_tracing()
+        and not (attn.training and attn.attn_dropout.p > 0)
+        and native.usable(q_src, kv_src, attn.num_heads)
+    ):
+        out = native.FusedCPUAttention.apply(q_src, kv_src, attn.num_heads, attn.scale, attn.causal)
+        return attn.proj_dropout(attn.proj(out))  # (B, T_q, D): heads already concatenated
+    return attention_forward(attn, x, explicit_core, cls_only)
+
+
+def _add_norm(
+    x: torch.Tensor, branch: torch.Tensor | None, norm: nn.LayerNorm, *, for_linear: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + branch, norm(x + branch))``: one kernel pass where it applies."""
+    if torch.is_grad_enabled() and x.requires_grad and native.add_norm_usable(x, branch, norm):
+        return native.add_norm(x, branch, norm, for_linear=for_linear)
+    if branch is not None:
+        x = x + branch
+    return x, norm(x)
+
+
+def _block_deferred(
+    block: EncoderBlock, x: torch.Tensor, branch: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z, m)`` with ``z + m == block(x + branch)``: the MLP branch ``m`` not yet added."""
+    x, h = _add_norm(x, branch, block.norm1, for_linear=True)
+    attn_out = block.drop_path(_attention(block.attn, h, False))
+    x, h = _add_norm(x, attn_out, block.norm2, for_linear=True)
+    return x, block.drop_path(block.mlp(h))
+
+
+def _block_cls(block: EncoderBlock, x: torch.Tensor, branch: torch.Tensor | None) -> torch.Tensor:
+    """``block(x + branch)[:, :1]``: the CLS token's output alone."""
+    x, h = _add_norm(x, branch, block.norm1, for_linear=True)
+    cls = x[:, :1] + block.drop_path(_attention(block.attn, h, True))
+    return cls + block.drop_path(block.mlp(block.norm2(cls)))
+
+
+def native_vit_forward(net: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
+    """``net(x)`` on the C++ kernels: images (B, C, H, W) -> logits (B, num_classes)."""
+    x = net._embed(x)
+    branch = None
+    for block in net.blocks[:-1]:
+        x, branch = _block_deferred(block, x, branch)
+    return net.forward_head(net.norm(_block_cls(net.blocks[-1], x, branch)))

@@ -1,0 +1,183 @@
+"""The named ways of running the reference model's training step.
+
+Each :class:`TrainingPath` turns a :class:`~vit_mnist.models.vit.VisionTransformer` into a
+callable ``images (B, C, H, W) -> logits (B, num_classes)`` that runs the model's own
+parameters (nothing is copied, so the optimizer, the checkpoints and the attention maps
+see one model) and gives the reference's values and gradients to float rounding
+(tests/test_speed.py). Which one is fastest depends on the machine: see
+:mod:`vit_mnist.speed.choose`, which times them on the user's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vit_mnist.models.vit import VisionTransformer
+from vit_mnist.speed.forward import (
+    handwritten_backward_core,
+    sdpa_core,
+    vit_forward,
+)
+from vit_mnist.speed.hardware import _cpuinfo_flags, isa_class
+from vit_mnist.speed.native_forward import native_vit_forward
+
+Forward = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TrainingPath:
+    """A named way to run the training step.
+
+    Attributes:
+        name: what ``speed.path=NAME`` selects.
+        summary: one line for logs and ``--help`` texts.
+        build: model -> its forward on this path (the model's own modules).
+        unavailable: device -> why this path cannot run there, or None where it can.
+        compiles: whether the first calls compile (a warm-up before fitting, not timed).
+    """
+
+    name: str
+    summary: str
+    build: Callable[[VisionTransformer], Forward]
+    unavailable: Callable[[torch.device], str | None]
+    compiles: bool = False
+
+
+def _always(device: torch.device) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def compile_settings() -> Iterator[None]:
+    """torch.compile settings for the ``compile`` path: they cut compile time, not speed.
+
+    ``torch._dynamo.config.specialize_float=True`` traces float module attributes (dropout
+    ``p``, LayerNorm ``eps``) as the constants they are, instead of as symbols that are
+    specialised later with a restart of the whole analysis. A setting that this torch
+    version lacks is left out.
+    """
+    import torch._dynamo.config  # noqa: F401  (loaded by torch.compile; named here to be sure)
+
+    with contextlib.ExitStack() as stack:
+        if hasattr(torch._dynamo.config, "specialize_float"):
+            stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
+        yield
+
+
+class _PathModule(nn.Module):
+    """``function(net, x)`` as a module, for torch.compile. ``net`` is held outside the
+    module tree, so nothing here is a second copy of its parameters."""
+
+    def __init__(self, net: VisionTransformer, function: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        object.__setattr__(self, "net", net)
+        self.function = function
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.function(self.net, x)
+
+
+def _compiled(function: Callable[..., torch.Tensor]) -> Callable[[VisionTransformer], Forward]:
+    def build(net: VisionTransformer) -> Forward:
+        # dynamic=True: one graph serves every batch size (an epoch's last, smaller batch
+        # and the evaluation batches); inductor caches the compiled code on disk.
+        compiled = torch.compile(_PathModule(net, function), dynamic=True)
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            with compile_settings():
+                return compiled(x)
+
+        return forward
+
+    return build
+
+
+def _compile_native_unavailable(device: torch.device) -> str | None:
+    return _native_unavailable(device) or _compile_unavailable(device)
+
+
+def _compile_unavailable(device: torch.device) -> str | None:
+    if device.type == "cpu":
+        from torch._inductor.cpp_builder import get_cpp_compiler  # loads the compiler package
+        from torch._inductor.exc import InvalidCxxCompiler
+
+        try:
+            get_cpp_compiler()
+        except InvalidCxxCompiler:
+            return "no working C++ compiler (install g++)"
+        return None
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "triton is not installed"
+        return None
+    return f"not supported on {device.type}"
+
+
+def _native_unavailable(device: torch.device) -> str | None:
+    if device.type != "cpu":
+        return "CPU only"
+    if isa_class() not in ("AVX-512", "AVX512-BF16", "AMX"):
+        # The kernels are written for AVX-512 (F, BW, VL); on AVX2 CPUs they ran slower than
+        # PyTorch's own operations (docs/speed.md), so they are not offered there.
+        return f"needs AVX-512, this CPU runs PyTorch at {isa_class()}"
+    if not {"avx512f", "avx512bw", "avx512vl"} <= _cpuinfo_flags():
+        return "needs AVX-512 F, BW and VL"
+    if not torch.backends.openmp.is_available():
+        return "this torch build has no OpenMP"
+    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        return "no C++ compiler found (install g++)"
+    return None
+
+
+PATHS: dict[str, TrainingPath] = {
+    p.name: p
+    for p in (
+        TrainingPath(
+            "reference",
+            "the model as written (vit_mnist/models), autograd's backward",
+            lambda net: net,
+            _always,
+        ),
+        TrainingPath(
+            "fused",
+            "scaled_dot_product_attention; last block for the CLS token only",
+            lambda net: functools.partial(vit_forward, net, core=sdpa_core),
+            _always,
+        ),
+        TrainingPath(
+            "handwritten",
+            "explicit attention with a hand-written backward; last block for the CLS token only",
+            lambda net: functools.partial(vit_forward, net, core=handwritten_backward_core),
+            _always,
+        ),
+        TrainingPath(
+            "compile",
+            "torch.compile (inductor) of the explicit forward; last block for the CLS token only",
+            _compiled(vit_forward),
+            _compile_unavailable,
+            compiles=True,
+        ),
+        TrainingPath(
+            "native",
+            "C++ kernels for attention and residual add + LayerNorm (AVX-512 CPUs only)",
+            lambda net: functools.partial(native_vit_forward, net),
+            _native_unavailable,
+        ),
+        TrainingPath(
+            "compile_native",
+            "torch.compile around the C++ attention kernel (AVX-512 CPUs only)",
+            _compiled(native_vit_forward),
+            _compile_native_unavailable,
+            compiles=True,
+        ),
+    )
+}
