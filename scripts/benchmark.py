@@ -1,17 +1,26 @@
-"""Training-step throughput and memory: our ViT against timm's and vit-pytorch's.
+"""Training-step throughput and memory: every speed path of ours against timm and vit-pytorch.
 
-python scripts/benchmark.py                      # writes docs/benchmarks.md
-python scripts/benchmark.py --reps 5 --steps 10 --out -     # print only
+python scripts/benchmark.py              # this CPU class's section of docs/benchmarks.md
+python scripts/benchmark.py --patch 7 --archs default --out -    # train.py's patch; print
+ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+    python scripts/benchmark.py   # an AVX2 CPU, emulated
 
 Needs the `bench` extra (pip install -e '.[bench]': timm, vit-pytorch).
 
-Every implementation is built with the same architecture (image 28, patch 4, 1 channel,
-10 classes, class token, the same embed_dim, depth, heads and MLP width), trained with
-AdamW on the same random batch at the same precision, in this one process. After warm-up
-steps, the implementations take turns: each repetition times `--steps` training steps
-(forward, cross-entropy, backward, fused AdamW step) of every implementation in turn, so a
-drift in the machine's speed touches all of them alike. The table gives the median
-images/s over the repetitions and each one's ratio to the faster peer.
+Every implementation is built with the same architecture (image 28, 1 channel, 10 classes,
+class token, the same patch size, embed_dim, depth, heads and MLP width), trained with
+AdamW on the same random batch at the same precision, in this one process. Ours runs once
+per speed path (vit_mnist/speed: the same model and parameters, only the way the step is
+computed differs), and once more as `auto`: the path that ``speed.path=auto`` picks here
+(timed afresh, not from the cache). After warm-up steps the implementations take turns:
+each repetition times `--steps` training steps (forward, cross-entropy, backward, fused
+AdamW step) of every implementation in turn, so a drift in the machine's speed touches
+all of them alike. The table gives the median images/s over the repetitions and each
+one's ratio to the faster peer.
+
+Each run writes the section of docs/benchmarks.md for this hardware (CPU model and
+instruction-set class, or GPU), keeping the other classes' sections: one table per class.
+A class emulated with ``ATEN_CPU_CAPABILITY`` is named so.
 
 Memory: on CUDA, the peak of torch.cuda.max_memory_allocated during a step; on the CPU,
 where PyTorch keeps no such counter, the bytes autograd saves for the backward pass
@@ -26,7 +35,9 @@ no bias; ours and timm's are built with qkv_bias=False to match the latter.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -38,40 +49,58 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vit_mnist.models import EncoderBlock, MultiHeadSelfAttention, VisionTransformer
-from vit_mnist.module import CompiledUnderSettings
-from vit_mnist.utils import cpu_name
+from vit_mnist.models import VisionTransformer
+from vit_mnist.speed.choose import choose
+from vit_mnist.speed.hardware import cpu_name, has_native_bf16, isa_class
+from vit_mnist.speed.paths import PATHS, compile_settings
 
 ARCHS = {
-    # The default config's width, depth and heads at patch 4.
-    "default (embed_dim 64, depth 6, 4 heads, MLP 128)": dict(
-        embed_dim=64, depth=6, num_heads=4, mlp_dim=128
-    ),
-    "larger (embed_dim 192, depth 6, 6 heads, MLP 384)": dict(
-        embed_dim=192, depth=6, num_heads=6, mlp_dim=384
-    ),
+    # The default config's width, depth and heads.
+    "default": dict(embed_dim=64, depth=6, num_heads=4, mlp_dim=128),
+    "larger": dict(embed_dim=192, depth=6, num_heads=6, mlp_dim=384),
 }
-PATCH, IMG, CLASSES = 4, 28, 10
+IMG, CLASSES = 28, 10
+PATCH = 4  # --patch sets it
+PEERS = ("timm", "vit-pytorch")
 
 
-def ours(impl: str, native_kernel: bool = True) -> Callable[..., nn.Module]:
-    def build(embed_dim, depth, num_heads, mlp_dim):
-        model = VisionTransformer(
-            img_size=IMG,
-            patch_size=PATCH,
-            in_chans=1,
-            num_classes=CLASSES,
-            embed_dim=embed_dim,
-            depth=depth,
-            num_heads=num_heads,
-            mlp_ratio=mlp_dim / embed_dim,
-            attention_impl=impl,
-            qkv_bias=False,
-        )
-        for m in model.modules():
-            if isinstance(m, MultiHeadSelfAttention | EncoderBlock | VisionTransformer):
-                m.native_kernel = native_kernel
-        return model
+def arch_label(name: str) -> str:
+    a = ARCHS[name]
+    return (
+        f"{name} (patch {PATCH}, embed_dim {a['embed_dim']}, depth {a['depth']}, "
+        f"{a['num_heads']} heads, MLP {a['mlp_dim']})"
+    )
+
+
+def reference_vit(embed_dim, depth, num_heads, mlp_dim) -> VisionTransformer:
+    return VisionTransformer(
+        img_size=IMG,
+        patch_size=PATCH,
+        in_chans=1,
+        num_classes=CLASSES,
+        embed_dim=embed_dim,
+        depth=depth,
+        num_heads=num_heads,
+        mlp_ratio=mlp_dim / embed_dim,
+        qkv_bias=False,
+    )
+
+
+class OnPath(nn.Module):
+    """Our model run on one speed path: the parameters are ``net``'s, the step the path's."""
+
+    def __init__(self, net: VisionTransformer, path: str) -> None:
+        super().__init__()
+        self.net = net
+        object.__setattr__(self, "step_forward", PATHS[path].build(net))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.step_forward(x)
+
+
+def ours(path: str) -> Callable[..., nn.Module]:
+    def build(**arch) -> nn.Module:
+        return OnPath(reference_vit(**arch), path)
 
     return build
 
@@ -110,31 +139,42 @@ def vit_pytorch(embed_dim, depth, num_heads, mlp_dim):
     )
 
 
-def compiled(build: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    # Every compiled model, ours and the peers', is called under our compile settings, as
-    # model.compile=true calls ours: they change compile time, not the compiled speed.
-    def build_compiled(**arch):
-        return CompiledUnderSettings(build(**arch))
+class Compiled(nn.Module):
+    """A peer under torch.compile, called under the same settings as our compile path."""
 
-    return build_compiled
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.compiled = torch.compile(model, dynamic=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with compile_settings():
+            return self.compiled(x)
 
 
-IMPLS = {
-    "ours (explicit)": ours("explicit"),
-    # The explicit path on PyTorch operations: what the fused CPU kernel adds.
-    "ours (explicit, no kernel)": ours("explicit", native_kernel=False),
-    "ours (fused)": ours("fused"),
-    "timm": timm_vit,
-    "vit-pytorch": vit_pytorch,
-}
-# torch.compile (inductor) of ours (attention_impl=auto: explicit on the CPU, fused on
-# CUDA) and of both peers: what model.compile=true buys, and what it buys the others.
-COMPILED = {
-    "ours (auto, compiled)": compiled(ours("auto")),
-    "timm (compiled)": compiled(timm_vit),
-    "vit-pytorch (compiled)": compiled(vit_pytorch),
-}
-PEERS = ("timm", "vit-pytorch")
+def compiled_peer(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    def build(**arch) -> nn.Module:
+        return Compiled(builder(**arch))
+
+    return build
+
+
+PEER_BUILDERS = {"timm": timm_vit, "vit-pytorch": vit_pytorch}
+# Kept for tests/test_benchmark.py: every eager implementation by name.
+IMPLS = {f"ours ({name})": ours(name) for name, p in PATHS.items() if not p.compiles}
+IMPLS.update(PEER_BUILDERS)
+
+
+def implementations(device: torch.device, compile_too: bool) -> dict[str, Callable]:
+    """Name -> builder for every implementation that can run on ``device``."""
+    impls = {}
+    for name, path in PATHS.items():
+        if path.unavailable(device) is None and (compile_too or not path.compiles):
+            impls[f"ours ({name})"] = ours(name)
+    impls.update(PEER_BUILDERS)
+    if compile_too:
+        for peer, builder in PEER_BUILDERS.items():
+            impls[f"{peer} (compiled)"] = compiled_peer(builder)
+    return impls
 
 
 @dataclass
@@ -189,9 +229,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build(name: str, arch: dict, device: torch.device, bf16: bool, batch: int) -> Trainer:
+def build(builder, arch: dict, device: torch.device, bf16: bool, batch: int) -> Trainer:
     torch.manual_seed(0)
-    model = {**IMPLS, **COMPILED}[name](**arch).to(device).train()
+    model = builder(**arch).to(device).train()
     g = torch.Generator().manual_seed(1)
     images = torch.randn(batch, 1, IMG, IMG, generator=g).to(device)
     labels = torch.randint(0, CLASSES, (batch,), generator=g).to(device)
@@ -200,15 +240,29 @@ def build(name: str, arch: dict, device: torch.device, bf16: bool, batch: int) -
     return Trainer(model, optimizer, images, labels, device, bf16)
 
 
-def run_row(
-    device, bf16, arch, *, batch, steps, reps, warmup, compile_too: bool, warmup_s: dict
-) -> dict[str, tuple[float, float]]:
-    """``{implementation: (median images/s, memory MB)}`` for one device/precision/arch.
+def auto_choice(arch: dict, device: torch.device, bf16: bool, batch: int, compile_too: bool):
+    """What ``speed.path=auto`` picks here at this precision (timed now, cache unused)."""
+    net = reference_vit(**arch)
+    precision = "bf16-mixed" if bf16 else "32-true"
+    return choose(
+        net,
+        model_args={**arch, "patch_size": PATCH},
+        device=device,
+        batch_size=batch,
+        precision=precision,
+        include_compiled=compile_too,
+        use_cache=False,
+    )
 
-    ``warmup_s`` receives each implementation's warm-up seconds (for a compiled model,
-    mostly compilation)."""
-    names = list(IMPLS) + (list(COMPILED) if compile_too else [])
-    trainers = {name: build(name, arch, device, bf16, batch) for name in names}
+
+def run_row(device, bf16, arch, *, batch, steps, reps, warmup, compile_too, warmup_s):
+    """``{implementation: (median images/s, memory MB)}`` for one device/precision/arch,
+    with an ``ours (auto: PATH)`` row for the path auto picks. ``warmup_s`` receives each
+    implementation's warm-up seconds (for a compiled model, mostly compilation)."""
+    impls = implementations(device, compile_too)
+    choice = auto_choice(arch, device, bf16, batch, compile_too)
+    impls[f"ours (auto: {choice.path})"] = ours(choice.path)
+    trainers = {name: build(b, arch, device, bf16, batch) for name, b in impls.items()}
     for name, trainer in trainers.items():
         sync(device)
         start = time.perf_counter()
@@ -222,17 +276,35 @@ def run_row(
             speeds[name].append(trainer.timed(steps))
     return {
         name: (statistics.median(speeds[name]), trainers[name].memory_mb()) for name in trainers
-    }
+    }, choice
 
 
-def hardware_line(cuda: bool) -> str:
+def hardware_title(cuda: bool) -> str:
+    """The section title: the hardware class this run measured."""
+    if cuda:
+        return f"GPU: {torch.cuda.get_device_name()}"
+    forced = os.environ.get("ATEN_CPU_CAPABILITY")
+    title = f"CPU: {cpu_name()}, class {isa_class()}"
+    if forced:
+        title += f" (emulated: ATEN_CPU_CAPABILITY={forced} on a {_native_class()} CPU)"
+    return title
+
+
+def _native_class() -> str:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if " amx_tile" in flags:
+        return "AMX"
+    if " avx512_bf16" in flags:
+        return "AVX512-BF16"
+    return "AVX-512" if " avx512f" in flags else "AVX2"
+
+
+def versions_line() -> str:
     parts = [
-        f"CPU: {cpu_name()}, {torch.get_num_threads()} threads",
+        f"{torch.get_num_threads()} threads",
         f"torch {torch.__version__}",
         f"Python {platform.python_version()}",
     ]
-    if cuda:
-        parts.insert(1, f"GPU: {torch.cuda.get_device_name()}")
     try:
         import timm
         import vit_pytorch
@@ -243,22 +315,24 @@ def hardware_line(cuda: bool) -> str:
     return "; ".join(parts)
 
 
-def markdown(results, args, cuda: bool, warmups: dict) -> str:
+def markdown_section(results, choices, args, cuda: bool, warmups: dict) -> str:
+    command = (
+        " ".join(["python scripts/benchmark.py", *sys.argv[1:]])
+        if args.argv is None
+        else (" ".join(["python scripts/benchmark.py", *args.argv]))
+    )
     lines = [
-        "# Training throughput: vit-mnist against timm and vit-pytorch",
+        f"## {hardware_title(cuda)}; patch {PATCH}",
         "",
-        "Written by `python scripts/benchmark.py "
-        + f"--batch {args.batch} --steps {args.steps} --reps {args.reps} "
-        + f"--compile-archs {' '.join(args.compile_archs)}`.".replace(" `", "`"),
-        "",
-        f"Hardware: {hardware_line(cuda)}.",
+        f"`{command}`; {versions_line()}.",
         "",
         f"Batch {args.batch}, fused AdamW, median of {args.reps} repetitions of {args.steps} "
         "training steps after warm-up, implementations interleaved in one process. "
         "Ratio: images/s over the faster of timm and vit-pytorch. Memory: CUDA peak allocated "
-        "per step; CPU: activations saved for backward.",
+        "per step; CPU: activations saved for backward. `ours (auto: PATH)` is the path "
+        "`speed.path=auto` chose in this run, timed again beside the others.",
         "",
-        "| device, precision | architecture | implementation | images/s | ratio to best peer "
+        "| precision | architecture | implementation | images/s | ratio to best peer "
         "| memory (MB) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
@@ -268,45 +342,72 @@ def markdown(results, args, cuda: bool, warmups: dict) -> str:
             lines.append(
                 f"| {row} | {arch} | {name} | {speed:,.0f} | {speed / best_peer:.2f} | {mem:,.1f} |"
             )
-    compiled_rows = [
+    lines += ["", "What `auto` measured in its own few steps (images/s) and the time it took:", ""]
+    for (row, arch), choice in choices.items():
+        figures = ", ".join(f"{k} {v:,.0f}" for k, v in choice.images_per_s.items())
+        lines.append(f"- {row}, {arch}: **{choice.path}** in {choice.seconds:.1f} s ({figures})")
+    compiled = [
         (row, arch, name, secs)
         for (row, arch), per_impl in warmups.items()
         for name, secs in per_impl.items()
-        if name in COMPILED
+        if "compile" in name
     ]
-    if compiled_rows:
+    if compiled:
         lines += [
             "",
-            f"Warm-up ({args.warmup} steps) of the compiled models, which is mostly "
-            "torch.compile's compilation (eager models take well under a second), all "
-            "three under `vit_mnist.module.compile_settings` as `model.compile=true` runs "
-            "ours; a warm on-disk cache from an earlier run shortens it:",
+            f"Warm-up ({args.warmup} steps) of the compiled implementations, mostly "
+            "torch.compile's compilation (shorter with a warm on-disk cache):",
             "",
-            "| device, precision | architecture | implementation | warm-up (s) |",
+            "| precision | architecture | implementation | warm-up (s) |",
             "| --- | --- | --- | --- |",
         ]
-        lines += [f"| {r} | {a} | {n} | {s:.1f} |" for r, a, n, s in compiled_rows]
+        lines += [f"| {r} | {a} | {n} | {s:.1f} |" for r, a, n, s in compiled]
     return "\n".join(lines) + "\n"
 
 
+HEADER = """# Training throughput: vit-mnist against timm and vit-pytorch
+
+Written by `scripts/benchmark.py`, one section per hardware class measured (each run
+replaces its own class's section). Every row of ours trains the same model
+(`vit_mnist/models`); the speed path in brackets is how the step is computed
+(`vit_mnist/speed`, docs/speed.md).
+"""
+
+
+def merge(existing: str, section: str) -> str:
+    """``existing`` with the section of the same title replaced by ``section`` (or added)."""
+    title = section.splitlines()[0]
+    parts = re.split(r"(?m)^(?=## )", existing)
+    body = [p for p in parts[1:] if p.splitlines()[0] != title]
+    return HEADER + "\n" + "\n".join(p.rstrip() + "\n" for p in [*body, section])
+
+
 def main(argv: list[str] | None = None) -> int:
+    global PATCH
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--patch", type=int, default=4, choices=[2, 4, 7, 14])
     parser.add_argument("--steps", type=int, default=10, help="training steps per repetition")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--out", default="docs/benchmarks.md", help="Markdown file, or -")
-    parser.add_argument(
-        "--archs", nargs="+", choices=["default", "larger"], default=["default", "larger"]
-    )
+    parser.add_argument("--archs", nargs="+", choices=list(ARCHS), default=list(ARCHS))
     parser.add_argument(
         "--compile-archs",
         nargs="*",
-        choices=["default", "larger"],
+        choices=list(ARCHS),
         default=["default"],
         help="architectures that also get the torch.compile rows (compiling takes minutes)",
     )
+    parser.add_argument(
+        "--bf16",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="bf16 autocast rows: auto = where the hardware computes bf16",
+    )
     args = parser.parse_args(argv)
+    args.argv = argv
+    PATCH = args.patch
     try:
         import timm  # noqa: F401
         import vit_pytorch  # noqa: F401
@@ -314,43 +415,41 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e.name} is missing: pip install -e '.[bench]'", file=sys.stderr)
         return 2
     cuda = torch.cuda.is_available()
-    rows = [
-        ("CPU fp32", torch.device("cpu"), False),
-        ("CPU bf16 autocast", torch.device("cpu"), True),
-    ]
-    if cuda:
-        rows.append(("CUDA bf16 autocast", torch.device("cuda"), True))
-    results, warmups = {}, {}
-    for row, device, bf16 in rows:
-        for arch_name, arch in ARCHS.items():
-            if arch_name.split()[0] not in args.archs:
-                continue
-            warmups[(row, arch_name)] = {}
-            per_impl = run_row(
+    device = torch.device("cuda" if cuda else "cpu")
+    bf16 = args.bf16 == "yes" or (args.bf16 == "auto" and has_native_bf16(cuda))
+    rows = [("fp32", False)] + ([("bf16 autocast", True)] if bf16 else [])
+    results, choices, warmups = {}, {}, {}
+    for row, use_bf16 in rows:
+        for arch_name in args.archs:
+            label = arch_label(arch_name)
+            warmups[(row, label)] = {}
+            per_impl, choice = run_row(
                 device,
-                bf16,
-                arch,
+                use_bf16,
+                ARCHS[arch_name],
                 batch=args.batch,
                 steps=args.steps,
                 reps=args.reps,
                 warmup=args.warmup,
-                compile_too=arch_name.split()[0] in args.compile_archs,
-                warmup_s=warmups[(row, arch_name)],
+                compile_too=arch_name in args.compile_archs,
+                warmup_s=warmups[(row, label)],
             )
-            results[(row, arch_name)] = per_impl
+            results[(row, label)], choices[(row, label)] = per_impl, choice
             best_peer = max(per_impl[p][0] for p in PEERS)
             summary = ", ".join(
                 f"{n} {s:,.0f} ({s / best_peer:.2f}x)" for n, (s, _) in per_impl.items()
             )
-            print(f"{row} | {arch_name}: {summary}", flush=True)
-    text = markdown(results, args, cuda, warmups)
+            print(f"{row} | {label}: {summary}", flush=True)
+    section = markdown_section(results, choices, args, cuda, warmups)
     if args.out == "-":
-        print(text)
-    else:
-        from vit_mnist.data.sources import atomic_write_bytes
+        print(section)
+        return 0
+    from vit_mnist.data.sources import atomic_write_bytes
 
-        atomic_write_bytes(Path(args.out), text.encode())
-        print(f"wrote {args.out}")
+    out = Path(args.out)
+    existing = out.read_text() if out.exists() else ""
+    atomic_write_bytes(out, merge(existing, section).encode())
+    print(f"wrote {args.out}")
     return 0
 
 
