@@ -260,8 +260,15 @@ def run_row(device, bf16, arch, *, batch, steps, reps, warmup, compile_too, warm
     with an ``ours (auto: PATH)`` row for the path auto picks. ``warmup_s`` receives each
     implementation's warm-up seconds (for a compiled model, mostly compilation)."""
     impls = implementations(device, compile_too)
-    choice = auto_choice(arch, device, bf16, batch, compile_too)
+    # auto as train.py runs it by default (speed.auto_compile=false), and with the compiled
+    # paths among its candidates where this architecture has compiled rows.
+    choice = auto_choice(arch, device, bf16, batch, False)
     impls[f"ours (auto: {choice.path})"] = ours(choice.path)
+    choices = {"auto": choice}
+    if compile_too:
+        with_compile = auto_choice(arch, device, bf16, batch, True)
+        impls[f"ours (auto_compile: {with_compile.path})"] = ours(with_compile.path)
+        choices["auto_compile"] = with_compile
     trainers = {name: build(b, arch, device, bf16, batch) for name, b in impls.items()}
     for name, trainer in trainers.items():
         sync(device)
@@ -276,7 +283,7 @@ def run_row(device, bf16, arch, *, batch, steps, reps, warmup, compile_too, warm
             speeds[name].append(trainer.timed(steps))
     return {
         name: (statistics.median(speeds[name]), trainers[name].memory_mb()) for name in trainers
-    }, choice
+    }, choices
 
 
 def hardware_title(cuda: bool) -> str:
@@ -330,7 +337,9 @@ def markdown_section(results, choices, args, cuda: bool, warmups: dict) -> str:
         "training steps after warm-up, implementations interleaved in one process. "
         "Ratio: images/s over the faster of timm and vit-pytorch. Memory: CUDA peak allocated "
         "per step; CPU: activations saved for backward. `ours (auto: PATH)` is the path "
-        "`speed.path=auto` chose in this run, timed again beside the others.",
+        "`speed.path=auto` chose in this run (as `train.py` by default: compiled paths not "
+        "timed), `ours (auto_compile: PATH)` its choice with `speed.auto_compile=true`; both "
+        "timed again beside the others.",
         "",
         "| precision | architecture | implementation | images/s | ratio to best peer "
         "| memory (MB) |",
@@ -343,9 +352,13 @@ def markdown_section(results, choices, args, cuda: bool, warmups: dict) -> str:
                 f"| {row} | {arch} | {name} | {speed:,.0f} | {speed / best_peer:.2f} | {mem:,.1f} |"
             )
     lines += ["", "What `auto` measured in its own few steps (images/s) and the time it took:", ""]
-    for (row, arch), choice in choices.items():
-        figures = ", ".join(f"{k} {v:,.0f}" for k, v in choice.images_per_s.items())
-        lines.append(f"- {row}, {arch}: **{choice.path}** in {choice.seconds:.1f} s ({figures})")
+    for (row, arch), per_setting in choices.items():
+        for setting, choice in per_setting.items():
+            figures = ", ".join(f"{k} {v:,.0f}" for k, v in choice.images_per_s.items())
+            lines.append(
+                f"- {row}, {arch}, {setting}: **{choice.path}** in {choice.seconds:.1f} s "
+                f"({figures})"
+            )
     compiled = [
         (row, arch, name, secs)
         for (row, arch), per_impl in warmups.items()
@@ -423,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         for arch_name in args.archs:
             label = arch_label(arch_name)
             warmups[(row, label)] = {}
-            per_impl, choice = run_row(
+            per_impl, choice_of = run_row(
                 device,
                 use_bf16,
                 ARCHS[arch_name],
@@ -434,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                 compile_too=arch_name in args.compile_archs,
                 warmup_s=warmups[(row, label)],
             )
-            results[(row, label)], choices[(row, label)] = per_impl, choice
+            results[(row, label)], choices[(row, label)] = per_impl, choice_of
             best_peer = max(per_impl[p][0] for p in PEERS)
             summary = ", ".join(
                 f"{n} {s:,.0f} ({s / best_peer:.2f}x)" for n, (s, _) in per_impl.items()
