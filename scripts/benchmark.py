@@ -290,10 +290,14 @@ def hardware_title(cuda: bool) -> str:
     """The section title: the hardware class this run measured."""
     if cuda:
         return f"GPU: {torch.cuda.get_device_name()}"
-    forced = os.environ.get("ATEN_CPU_CAPABILITY")
+    forced = [
+        f"{k}={os.environ[k]}"
+        for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+        if os.environ.get(k)
+    ]
     title = f"CPU: {cpu_name()}, class {isa_class()}"
     if forced:
-        title += f" (emulated: ATEN_CPU_CAPABILITY={forced} on a {_native_class()} CPU)"
+        title += f" (emulated: {' '.join(forced)} on an {_native_class()} CPU)"
     return title
 
 

@@ -7,8 +7,7 @@ Vaswani et al. 2017, "Attention Is All You Need", section 3.2:
     MultiHead(X) = Concat(head_1, ..., head_h) W^O
 
 The projections of all heads are held in one ``qkv`` linear layer (as in timm): the same
-arithmetic as h separate ``W_i`` matrices stacked side by side. Faster ways to run the
-same parameters in a training step live in :mod:`vit_mnist.speed`, not here.
+arithmetic as h separate ``W_i`` matrices stacked side by side.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ from torch import nn
 
 from vit_mnist.errors import ConfigError
 
-# "auto" is kept for checkpoints that stored it: the module runs the explicit path, and the
-# training step's speed layer picks the fastest path on the user's machine.
+# "auto" is kept for checkpoints that stored it: it runs the explicit path.
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "explicit", "fused")
 
 
@@ -72,7 +70,8 @@ class MultiHeadSelfAttention(nn.Module):
     Shapes:
         input ``x``: (batch, tokens, embed_dim), float32 / bfloat16 / float16.
         output: (batch, tokens, embed_dim), same dtype; with ``need_weights=True`` also the
-        attention weights (batch, num_heads, tokens, tokens), float32, rows summing to 1.
+        attention weights (batch, num_heads, tokens, tokens), rows summing to 1, in float32
+        under autocast, else in the input's dtype.
 
     Raises:
         ConfigError (a ValueError): impossible ``embed_dim`` / ``num_heads`` / ``impl``.

@@ -31,7 +31,7 @@ def check_vit_args(
     mlp_ratio: float = 2.0,
     dropout: float = 0.0,
     attn_dropout: float = 0.0,
-    attention_impl: str = "auto",
+    attention_impl: str = "explicit",
     causal: bool = False,
     qkv_bias: bool = True,
     drop_path_rate: float = 0.0,

@@ -130,8 +130,8 @@ class VisionTransformer(nn.Module):
         mlp_ratio: MLP hidden width = ``round(embed_dim * mlp_ratio)``.
         dropout: dropout after the embedding, in the MLP and after attention's W^O.
         attn_dropout: dropout on the attention weights.
-        attention_impl: ``"auto"`` (fused on CUDA, explicit elsewhere), ``"explicit"`` or
-            ``"fused"``, see :class:`MultiHeadSelfAttention`.
+        attention_impl: ``"explicit"`` or ``"fused"`` (``"auto"``, which older checkpoints
+            store, is explicit), see :class:`MultiHeadSelfAttention`.
         causal: causal mask in every block (tokens attend to earlier tokens only; the
             CLS token is token 0, so it then sees only itself).
         qkv_bias: bias on the Q, K, V projections.
@@ -159,7 +159,7 @@ class VisionTransformer(nn.Module):
         mlp_ratio: float = 2.0,
         dropout: float = 0.0,
         attn_dropout: float = 0.0,
-        attention_impl: str = "auto",
+        attention_impl: str = "explicit",
         causal: bool = False,
         qkv_bias: bool = True,
         drop_path_rate: float = 0.0,
