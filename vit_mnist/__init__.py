@@ -8,4 +8,3 @@ from omegaconf import OmegaConf
 # Hydra's ${hydra:runtime.cwd} says the same but cannot be resolved while a multirun names
 # its sweep dir (outputs/<task>/multiruns/...), before any job has started.
 OmegaConf.register_new_resolver("vit_mnist.cwd", os.getcwd, replace=True)
-
