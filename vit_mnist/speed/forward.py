@@ -132,6 +132,18 @@ def handwritten_backward_core(attn: MultiHeadSelfAttention, q, k, v) -> torch.Te
     return explicit_core(attn, q, k, v)
 
 
+def cls_query_and_keys(
+    attn: MultiHeadSelfAttention, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CLS token's query (B, 1, D) and every token's keys and values (B, T, 2D), from
+    the rows of ``attn.qkv`` that make them: the other tokens' queries are never computed."""
+    d = attn.embed_dim
+    weight, bias = attn.qkv.weight, attn.qkv.bias
+    q = F.linear(x[:, :1], weight[:d], None if bias is None else bias[:d])
+    kv = F.linear(x, weight[d:], None if bias is None else bias[d:])
+    return q, kv
+
+
 def attention_forward(
     attn: MultiHeadSelfAttention, x: torch.Tensor, core: AttentionCore, cls_only: bool = False
 ) -> torch.Tensor:
@@ -140,11 +152,8 @@ def attention_forward(
 
     Shapes: x (B, T, D) -> (B, T, D), or (B, 1, D) with ``cls_only``.
     """
-    d = attn.embed_dim
     if cls_only:
-        weight, bias = attn.qkv.weight, attn.qkv.bias
-        q = F.linear(x[:, :1], weight[:d], None if bias is None else bias[:d])  # (B, 1, D)
-        kv = F.linear(x, weight[d:], None if bias is None else bias[d:])  # (B, T, 2D)
+        q, kv = cls_query_and_keys(attn, x)
         q = rearrange(q, "b t (h d) -> b h t d", h=attn.num_heads)
         k, v = rearrange(kv, "b t (two h d) -> two b h t d", two=2, h=attn.num_heads)
     else:

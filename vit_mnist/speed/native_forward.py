@@ -17,13 +17,12 @@ training, tracing), that step runs on PyTorch's operations, with the same number
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vit_mnist.models.attention import MultiHeadSelfAttention
 from vit_mnist.models.vit import EncoderBlock, VisionTransformer
 from vit_mnist.speed import native
-from vit_mnist.speed.forward import attention_forward, explicit_core
+from vit_mnist.speed.forward import attention_forward, cls_query_and_keys, explicit_core
 
 
 def _attention(attn: MultiHeadSelfAttention, x: torch.Tensor, cls_only: bool) -> torch.Tensor:
@@ -31,11 +30,8 @@ def _attention(attn: MultiHeadSelfAttention, x: torch.Tensor, cls_only: bool) ->
 
     Shapes: x (B, T, D) -> (B, T, D), or (B, 1, D) with ``cls_only``.
     """
-    d = attn.embed_dim
     if cls_only:
-        weight, bias = attn.qkv.weight, attn.qkv.bias
-        q_src = F.linear(x[:, :1], weight[:d], None if bias is None else bias[:d])  # (B, 1, D)
-        kv_src = F.linear(x, weight[d:], None if bias is None else bias[d:])  # (B, T, 2D)
+        q_src, kv_src = cls_query_and_keys(attn, x)  # (B, 1, D), (B, T, 2D)
     else:
         q_src, kv_src = attn.qkv(x), None  # (B, T, 3D)
     if (
