@@ -173,3 +173,38 @@ def test_multirun_without_a_sweep_dir_writes_under_outputs(tmp_path):
         json.loads((sweep / j / "metrics.json").read_text())["model"]["num_heads"]
         for j in ("0", "1")
     ) == [2, 4]
+
+
+def test_console_prints_each_line_once_without_tips_and_names_the_speed_path(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "data=synthetic",
+            *TINY_MODEL,
+            "trainer.max_epochs=1",
+            "trainer.limit_train_batches=3",
+            "trainer.log_every_n_steps=1",
+            "speed.path=handwritten",
+            "trainer.precision=32-true",
+            "callbacks.progress_bar=null",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    # Hydra's format puts a time stamp first; what follows it is the line itself.
+    lines = [line.split("] - ", 1)[-1] for line in (result.stdout + result.stderr).splitlines()]
+    logged = [line for line in lines if line.strip() and not set(line) <= set("-─| ")]
+    summary = [line for line in logged if "Trainable params" in line]
+    assert len(summary) == 1, result.stderr  # the model summary once
+    assert not any(line.startswith("INFO: ") for line in lines), result.stderr
+    assert "Tip" not in result.stdout + result.stderr
+    assert "is deprecated" not in result.stderr
+    speed = [
+        line for line in lines if line.startswith("speed path: handwritten, precision 32-true")
+    ]
+    assert len(speed) == 1

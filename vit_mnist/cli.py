@@ -21,7 +21,9 @@ CONFIG_PATH = "pkg://vit_mnist.configs"
 def train(cfg: DictConfig) -> dict[str, Any]:
     """``vit-mnist-train [overrides]`` = ``python train.py [overrides]``."""
     import vit_mnist.train
+    from vit_mnist.console import quiet_console
 
+    quiet_console()
     return vit_mnist.train.main(cfg)
 
 
@@ -29,7 +31,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """``vit-mnist-eval ckpt_path=PATH`` = ``python eval.py ckpt_path=PATH``."""
     import vit_mnist.evaluate
+    from vit_mnist.console import quiet_console
 
+    quiet_console()
     return vit_mnist.evaluate.main(cfg)
 
 
@@ -37,7 +41,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 def predict(cfg: DictConfig) -> Any:
     """``vit-mnist-predict ckpt_path=PATH images=[a.png]`` = ``python scripts/predict.py ...``."""
     import vit_mnist.predict
+    from vit_mnist.console import quiet_console
 
+    quiet_console()
     return vit_mnist.predict.main(cfg)
 
 
@@ -45,5 +51,7 @@ def predict(cfg: DictConfig) -> Any:
 def export(cfg: DictConfig) -> Any:
     """``vit-mnist-export ckpt_path=PATH format=onnx`` = ``python scripts/export.py ...``."""
     import vit_mnist.export
+    from vit_mnist.console import quiet_console
 
+    quiet_console()
     return vit_mnist.export.main(cfg)

@@ -1,0 +1,42 @@
+"""What the command line prints: every log line once, in Hydra's format, without vendor tips
+or third-party deprecation notices the user cannot act on."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+# Narrow on purpose: the message of each notice, so that any other warning still shows.
+_IGNORED_WARNINGS = (
+    # torch deprecates the pytree API that Lightning still calls; nothing for the user to do.
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    # The model summary counts bf16 parameters at 32 bits; the parameter count is exact.
+    r"Precision bf16-mixed is not supported by the model summary",
+)
+
+
+class _DropVendorTips(logging.Filter):
+    """Drops Lightning's advertisement for a cloud logger."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "💡 Tip" not in record.getMessage()
+
+
+def quiet_console() -> None:
+    """Call once Hydra has set up logging and Lightning is imported.
+
+    Lightning gives its ``lightning`` logger a console handler of its own, so under Hydra
+    (whose root handler prints and writes ``<run dir>/<task>.log``) each Lightning line was
+    printed twice: once as ``INFO: ...`` and once in Hydra's format. Its handlers go; its
+    records still reach Hydra's.
+    """
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+        logger.propagate = True
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _DropVendorTips) for f in rank_zero.filters):
+        rank_zero.addFilter(_DropVendorTips())
+    for message in _IGNORED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
