@@ -14,7 +14,9 @@ import torch
 
 
 @lru_cache(maxsize=1)
-def _cpuinfo_flags() -> frozenset[str]:
+def cpuinfo_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (``avx2``, ``avx512f``, ...; ARM's
+    ``Features``); empty where there is no such file."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -48,7 +50,7 @@ def isa_class() -> str:
     if machine in ("arm64", "aarch64"):
         return "ARM SVE" if capability.startswith("SVE") else "ARM"
     if capability == "AVX512":
-        flags = _cpuinfo_flags()
+        flags = cpuinfo_flags()
         if "amx_tile" in flags and "amx_bf16" in flags:
             return "AMX"
         return "AVX512-BF16" if "avx512_bf16" in flags else "AVX-512"
@@ -81,6 +83,6 @@ def hardware_key(device: torch.device) -> str:
     if device.type == "cuda":
         what = f"cuda:{torch.cuda.get_device_name(device)}"
     else:
-        flags = sorted(f for f in _cpuinfo_flags() if f.startswith(("avx", "amx", "fma", "sve")))
+        flags = sorted(f for f in cpuinfo_flags() if f.startswith(("avx", "amx", "fma", "sve")))
         what = f"cpu:{cpu_name()}:{isa_class()}:{','.join(flags)}:{torch.get_num_threads()}"
     return f"{what}|torch {torch.__version__}"

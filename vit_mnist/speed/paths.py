@@ -25,7 +25,7 @@ from vit_mnist.speed.forward import (
     sdpa_core,
     vit_forward,
 )
-from vit_mnist.speed.hardware import _cpuinfo_flags, isa_class
+from vit_mnist.speed.hardware import cpuinfo_flags, isa_class
 from vit_mnist.speed.native_forward import native_vit_forward
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
@@ -129,7 +129,7 @@ def _native_unavailable(device: torch.device) -> str | None:
         # The kernels are written for AVX-512 (F, BW, VL); on AVX2 CPUs they ran slower than
         # PyTorch's own operations (docs/speed.md), so they are not offered there.
         return f"needs AVX-512, this CPU runs PyTorch at {isa_class()}"
-    if not {"avx512f", "avx512bw", "avx512vl"} <= _cpuinfo_flags():
+    if not {"avx512f", "avx512bw", "avx512vl"} <= cpuinfo_flags():
         return "needs AVX-512 F, BW and VL"
     if not torch.backends.openmp.is_available():
         return "this torch build has no OpenMP"
