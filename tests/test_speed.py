@@ -221,3 +221,19 @@ def test_handwritten_core_under_bf16_autocast_matches_float32():
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
     # bf16 keeps 8 significant bits: the weight gradient within a few percent of its scale.
     assert (grad_bf16 - grad_ref).abs().max() < 0.03 * grad_ref.abs().max()
+
+
+def test_a_damaged_cache_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
+    monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: False)
+    net = VisionTransformer(patch_size=7, **TINY)
+    args = dict(model_args=TINY, device=CPU, batch_size=8)
+    for damage in ("[1, 2]", "not json", '{"KEY": {"path": "warp"}}'):
+        (tmp_path / "speed_choices.json").write_text(damage)
+        if "KEY" in damage:  # an entry under the right key that names no candidate
+            key = choose_mod._cache_key(
+                CPU, TINY, 8, choose_mod.candidates(CPU, "auto", "auto", False)[0]
+            )
+            (tmp_path / "speed_choices.json").write_text(damage.replace("KEY", key))
+        assert choose(net, **args).how == "measured"
+    assert choose(net, **args).how == "cached"

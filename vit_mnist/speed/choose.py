@@ -122,9 +122,10 @@ def _cache_key(device, model_args, batch_size, pairs) -> str:
 
 def _read_cache(file: Path) -> dict[str, Any]:
     try:
-        return json.loads(file.read_text())
+        entries = json.loads(file.read_text())
     except (OSError, ValueError):
         return {}
+    return entries if isinstance(entries, dict) else {}  # a damaged file: measure again
 
 
 def _write_cache(file: Path, key: str, entry: dict[str, Any]) -> None:
@@ -234,7 +235,12 @@ def choose(
         return Choice(*pairs[0], skipped=skipped)
     file = cache_root() / "speed_choices.json"
     key = _cache_key(device, model_args, batch_size, pairs)
-    if use_cache and (entry := _read_cache(file).get(key)):
+    entry = _read_cache(file).get(key) if use_cache else None
+    if (
+        isinstance(entry, dict)
+        and [entry.get("path"), entry.get("precision")] in [list(p) for p in pairs]
+        and isinstance(entry.get("images_per_s"), dict)
+    ):
         return Choice(
             entry["path"],
             entry["precision"],
