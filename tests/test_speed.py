@@ -237,3 +237,21 @@ def test_a_damaged_cache_is_measured_again(tmp_path, monkeypatch):
             (tmp_path / "speed_choices.json").write_text(damage.replace("KEY", key))
         assert choose(net, **args).how == "measured"
     assert choose(net, **args).how == "cached"
+
+
+def test_compile_settings_apply_inside_and_restore_after():
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+
+    from vit_mnist.speed.paths import compile_settings
+
+    keys = [
+        (dynamo_config, "specialize_float"),
+        (functorch_config, "autograd_cache_allow_custom_autograd_functions"),
+    ]
+    keys = [(config, key) for config, key in keys if hasattr(config, key)]
+    assert keys
+    before = [getattr(config, key) for config, key in keys]
+    with compile_settings():
+        assert all(getattr(config, key) is True for config, key in keys)
+    assert [getattr(config, key) for config, key in keys] == before

@@ -58,16 +58,27 @@ def _always(device: torch.device) -> None:
 def compile_settings() -> Iterator[None]:
     """torch.compile settings for the ``compile`` path: they cut compile time, not speed.
 
-    ``torch._dynamo.config.specialize_float=True`` traces float module attributes (dropout
-    ``p``, LayerNorm ``eps``) as the constants they are, instead of as symbols that are
-    specialised later with a restart of the whole analysis. A setting that this torch
-    version lacks is left out.
+    - ``torch._dynamo.config.specialize_float=True`` traces float module attributes (dropout
+      ``p``, LayerNorm ``eps``) as the constants they are, instead of as symbols that are
+      specialised later with a restart of the whole analysis.
+    - ``torch._functorch.config.autograd_cache_allow_custom_autograd_functions=True``:
+      AOTAutograd's on-disk cache otherwise skips a graph holding an ``autograd.Function``
+      (``compile_native``'s attention kernel), so every process would trace it again. The
+      Function's forward and backward are traced into the cache key, so a change to either
+      is a miss, not a stale hit (pytorch/pytorch#149751).
+
+    A setting that this torch version lacks is left out.
     """
     import torch._dynamo.config  # noqa: F401  (loaded by torch.compile; named here to be sure)
+    import torch._functorch.config  # noqa: F401
 
     with contextlib.ExitStack() as stack:
-        if hasattr(torch._dynamo.config, "specialize_float"):
-            stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
+        for config, key in (
+            (torch._dynamo.config, "specialize_float"),
+            (torch._functorch.config, "autograd_cache_allow_custom_autograd_functions"),
+        ):
+            if hasattr(config, key):
+                stack.enter_context(config.patch(**{key: True}))
         yield
 
 
