@@ -51,7 +51,7 @@ from torch import nn
 
 from vit_mnist.models import VisionTransformer
 from vit_mnist.speed.choose import choose
-from vit_mnist.speed.hardware import cpu_name, has_native_bf16, isa_class
+from vit_mnist.speed.hardware import cpu_class, cpu_name, has_native_bf16, isa_class
 from vit_mnist.speed.paths import PATHS, compile_settings
 
 ARCHS = {
@@ -297,17 +297,8 @@ def hardware_title(cuda: bool) -> str:
     ]
     title = f"CPU: {cpu_name()}, class {isa_class()}"
     if forced:
-        title += f" (emulated: {' '.join(forced)} on an {_native_class()} CPU)"
+        title += f" (emulated: {' '.join(forced)} on an {cpu_class()} CPU)"
     return title
-
-
-def _native_class() -> str:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if " amx_tile" in flags:
-        return "AMX"
-    if " avx512_bf16" in flags:
-        return "AVX512-BF16"
-    return "AVX-512" if " avx512f" in flags else "AVX2"
 
 
 def versions_line() -> str:

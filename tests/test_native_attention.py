@@ -15,6 +15,7 @@ from tests.helpers import assert_same_values_and_gradients, count_applies
 from vit_mnist.models import MultiHeadSelfAttention
 from vit_mnist.speed import native
 from vit_mnist.speed.forward import attention_forward, handwritten_backward_core
+from vit_mnist.speed.hardware import cpuinfo_flags
 from vit_mnist.speed.native_forward import _attention
 from vit_mnist.speed.paths import PATHS
 
@@ -22,8 +23,8 @@ CPU = torch.device("cpu")
 
 # Where the kernel's bf16 products run on vdpbf16ps and oneDNN's do too (no AMX tiles, whose
 # sums may be taken in another order), the kernel has given the PyTorch path's exact bits
-# (README, "The model"); elsewhere, within a bf16 step.
-_FLAGS = native._cpu_identity().split()
+# (the README's kernel notes, now docs/speed.md); elsewhere, within a bf16 step.
+_FLAGS = cpuinfo_flags()
 AVX512_BF16 = "avx512_bf16" in _FLAGS and "amx_bf16" not in _FLAGS
 
 _WHY_NOT = PATHS["native"].unavailable(CPU)

@@ -8,3 +8,15 @@ reference (tests/test_speed.py). Which is fastest depends on the machine, so
 ``speed.path=auto`` measures them on the user's own and caches the answer
 (:func:`~vit_mnist.speed.choose.choose`).
 """
+
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """Where the speed layer keeps what it measured and built: ``$VIT_MNIST_CACHE``, else
+    ``$XDG_CACHE_HOME/vit_mnist``, else ``~/.cache/vit_mnist``."""
+    root = os.environ.get("VIT_MNIST_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vit_mnist"

@@ -14,7 +14,6 @@ import copy
 import hashlib
 import json
 import logging
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -26,20 +25,13 @@ import torch.nn.functional as F
 
 from vit_mnist.errors import ConfigError
 from vit_mnist.models.vit import VisionTransformer
+from vit_mnist.speed import cache_root
 from vit_mnist.speed.hardware import describe_hardware, hardware_key, has_native_bf16
 from vit_mnist.speed.paths import PATHS
 
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("32-true", "bf16-mixed")
-
-
-def cache_root() -> Path:
-    """``$VIT_MNIST_CACHE``, else ``$XDG_CACHE_HOME/vit_mnist``, else ``~/.cache/vit_mnist``."""
-    root = os.environ.get("VIT_MNIST_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vit_mnist"
 
 
 @dataclass

@@ -50,13 +50,22 @@ def isa_class() -> str:
     if machine in ("arm64", "aarch64"):
         return "ARM SVE" if capability.startswith("SVE") else "ARM"
     if capability == "AVX512":
-        flags = cpuinfo_flags()
-        if "amx_tile" in flags and "amx_bf16" in flags:
-            return "AMX"
-        return "AVX512-BF16" if "avx512_bf16" in flags else "AVX-512"
+        return cpu_class()
     if capability == "AVX2":
         return "AVX2"
     return "default"
+
+
+def cpu_class() -> str:
+    """The x86 instruction-set class the CPU itself has, from its flags, whatever
+    ``ATEN_CPU_CAPABILITY`` says: ``AMX``, ``AVX512-BF16``, ``AVX-512``, ``AVX2`` or
+    ``default``."""
+    flags = cpuinfo_flags()
+    if "amx_tile" in flags and "amx_bf16" in flags:
+        return "AMX"
+    if "avx512f" in flags:
+        return "AVX512-BF16" if "avx512_bf16" in flags else "AVX-512"
+    return "AVX2" if "avx2" in flags else "default"
 
 
 def has_native_bf16(on_cuda: bool) -> bool:

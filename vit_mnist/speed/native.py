@@ -41,6 +41,9 @@ from pathlib import Path
 import torch
 from torch.autograd.function import once_differentiable
 
+from vit_mnist.speed import cache_root
+from vit_mnist.speed.hardware import cpuinfo_flags
+
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 MAX_TOKENS = 128  # queries and keys: the kernel's per-thread buffers hold 128 rows
 MAX_HEAD_DIM = 64
@@ -57,22 +60,14 @@ def _compiler() -> str | None:
 def _cpu_identity() -> str:
     # -march=native code is for this CPU only: a cache shared between machines (an NFS home)
     # must not hand one CPU's build to another.
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()}"
+    flags = cpuinfo_flags()
+    return " ".join(sorted(flags)) if flags else f"{platform.machine()} {platform.processor()}"
 
 
 def cache_dir() -> Path:
-    """Where built kernels are kept: ``$VIT_MNIST_CACHE/kernels``, default
-    ``~/.cache/vit_mnist/kernels`` (``$XDG_CACHE_HOME`` respected)."""
-    root = os.environ.get("VIT_MNIST_CACHE")
-    if not root:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vit_mnist"
-    return Path(root) / "kernels"
+    """Where built kernels are kept: ``cache_root()/kernels`` (``$VIT_MNIST_CACHE``, default
+    ``~/.cache/vit_mnist``)."""
+    return cache_root() / "kernels"
 
 
 def _build(source: Path, defines: tuple[str, ...], stem: str) -> Path:
