@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out == "-":
         print(section)
         return 0
-    from vit_mnist.data.sources import atomic_write_bytes
+    from vit_mnist.io import atomic_write_bytes
 
     out = Path(args.out)
     existing = out.read_text() if out.exists() else ""

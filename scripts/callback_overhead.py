@@ -23,8 +23,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
+from vit_mnist.speed.hardware import cpu_name
 from vit_mnist.train import train
-from vit_mnist.utils import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 

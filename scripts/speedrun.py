@@ -23,7 +23,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from vit_mnist.utils import write_metrics
+from vit_mnist.io import write_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

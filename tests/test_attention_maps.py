@@ -9,7 +9,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from vit_mnist.attention_maps import (
+from vit_mnist.analysis.attention import (
     attention_entropy,
     attention_report,
     attention_rollout,

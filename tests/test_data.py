@@ -60,20 +60,6 @@ def test_archive_with_wrong_sha256_is_never_unpickled(tmp_path):
     assert not sources.raw_folder(tmp_path / "data").exists()
 
 
-def test_atomic_write_leaves_no_partial_file(tmp_path, monkeypatch):
-    target = tmp_path / "f.bin"
-    target.write_bytes(b"old")
-
-    def broken_replace(src, dst):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(sources.os, "replace", broken_replace)
-    with pytest.raises(OSError):
-        sources.atomic_write_bytes(target, b"new" * 1000)
-    assert target.read_bytes() == b"old"
-    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
-
-
 @pytest.mark.real_data
 def test_mnist_split_sizes_disjoint_and_fixed(mnist_dir):
     dm = MNISTDataModule(data_dir=str(mnist_dir))

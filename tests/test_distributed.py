@@ -17,9 +17,10 @@ from hydra.core.global_hydra import GlobalHydra
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import CONFIG_DIR, ROOT, TINY_MODEL, compose_config
-from vit_mnist.evaluate import evaluate, read_checkpoint
+from vit_mnist.checkpointing import read_checkpoint
+from vit_mnist.evaluate import evaluate
 from vit_mnist.module import ViTClassifier
-from vit_mnist.utils import pin_to_cores
+from vit_mnist.speed.hardware import pin_to_cores
 
 TINY = ["data=synthetic", "trainer.max_epochs=2", "~callbacks.progress_bar", *TINY_MODEL]
 

@@ -14,8 +14,9 @@ import torch
 from PIL import Image
 
 from tests.conftest import compose_config
-from vit_mnist.analysis import heads_zeroed
-from vit_mnist.evaluate import evaluate, resolve_ckpt_path
+from vit_mnist.analysis.heads import heads_zeroed
+from vit_mnist.checkpointing import resolve_ckpt_path
+from vit_mnist.evaluate import evaluate
 from vit_mnist.models import VisionTransformer
 from vit_mnist.predict import load_model, mnist_preprocess, predict_images
 from vit_mnist.train import train

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, TINY_MODEL
-from vit_mnist.checkpointing import AtomicCheckpointIO
+from vit_mnist.checkpointing import AtomicCheckpointIO, read_checkpoint
 from vit_mnist.errors import CheckpointError, ConfigError, DataError, NonFiniteLossError
-from vit_mnist.evaluate import read_checkpoint
 from vit_mnist.train import train
 
 # Long enough to interrupt: 4096 images in batches of 64 = 64 steps an epoch.

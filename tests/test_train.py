@@ -11,8 +11,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch._dynamo.utils import counters
 
 from tests.conftest import compose_config
+from vit_mnist.checkpointing import read_checkpoint
 from vit_mnist.errors import CheckpointError, ConfigError
-from vit_mnist.evaluate import evaluate, read_checkpoint
+from vit_mnist.evaluate import evaluate
 from vit_mnist.module import ViTClassifier
 from vit_mnist.train import train
 
@@ -212,8 +213,8 @@ def test_eval_rejects_foreign_torch_file(tmp_path):
     ],
 )
 def test_device_line_names_threads_and_processes(monkeypatch, threads, processes, expected):
-    from vit_mnist import utils
+    from vit_mnist.speed import hardware
 
-    monkeypatch.setattr(utils, "cpu_name", lambda: "CPU")
-    monkeypatch.setattr(utils.torch, "get_num_threads", lambda: threads)
-    assert utils.describe_device(torch.device("cpu"), processes) == expected
+    monkeypatch.setattr(hardware, "cpu_name", lambda: "CPU")
+    monkeypatch.setattr(hardware.torch, "get_num_threads", lambda: threads)
+    assert hardware.describe_device(torch.device("cpu"), processes) == expected

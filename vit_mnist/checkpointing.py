@@ -1,21 +1,24 @@
-"""Checkpoints that survive kills: atomic writes, saving on interrupt, finding the latest."""
+"""Checkpoints: reading them safely, resolving ``latest``, rebuilding the data they were
+trained on, writing them atomically, and saving one on interrupt."""
 
 from __future__ import annotations
 
 import io
 import logging
+import pickle
 import shlex
+import zipfile
 from pathlib import Path
 from typing import Any
 
+import hydra
 import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from omegaconf import DictConfig, OmegaConf
 
-from vit_mnist.data.sources import atomic_write_bytes
 from vit_mnist.errors import CheckpointError
+from vit_mnist.io import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,77 @@ def resolve_latest(value: str | Path, log_dir: str | Path, pattern: str) -> Path
     return latest
 
 
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Load a checkpoint of this project safely (``torch.load(weights_only=True)``), on CPU.
+
+    Returns:
+        The checkpoint dict, with ``hyper_parameters`` (the model's arguments) and the
+        run info (data config, precision, seed) that ``train`` stored.
+
+    Raises:
+        CheckpointError: the file is missing, unreadable or truncated, or is not a
+            checkpoint written by vit_mnist; the message names the path.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint {path} does not exist; give ckpt_path=<run dir>/checkpoints/<file>.ckpt"
+        )
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
+        text = str(e).strip()
+        first = text.splitlines()[0].split(". ")[0] if text else type(e).__name__
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read (truncated or not a checkpoint?): {first}"
+        ) from e
+    if (
+        not isinstance(ckpt, dict)
+        or "state_dict" not in ckpt
+        or "model" not in ckpt.get("hyper_parameters", {})
+    ):
+        raise CheckpointError(
+            f"{path} is not a vit_mnist checkpoint (no model arguments stored in it)"
+        )
+    return ckpt
+
+
+def resolve_ckpt_path(cfg: DictConfig) -> Path:
+    """``cfg.ckpt_path`` as a path; ``latest`` is the newest ``best-*.ckpt`` under outputs/.
+
+    Raises:
+        CheckpointError: no ``ckpt_path`` given, or ``latest`` finds no checkpoint.
+    """
+    if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
+        raise CheckpointError(
+            "ckpt_path is required: python eval.py "
+            "ckpt_path=outputs/train/runs/<run>/checkpoints/<best-...>.ckpt (or ckpt_path=latest)"
+        )
+    return resolve_latest(cfg.ckpt_path, cfg.paths.log_dir, "best-*.ckpt")
+
+
+def checkpoint_datamodule(
+    cfg: DictConfig, ckpt_path: str | Path, run_info: dict[str, Any]
+) -> L.LightningDataModule:
+    """The datamodule a checkpoint was trained on, or ``cfg.data`` when that is given.
+
+    The stored ``data_dir`` is replaced by this run's ``paths.data_dir``: the training
+    machine's folder may not exist here.
+
+    Raises:
+        CheckpointError: the checkpoint stores no data config and ``cfg.data`` is unset.
+    """
+    if cfg.get("data") is not None:
+        data_cfg = cfg.data
+    elif "data" in run_info:
+        data_cfg = OmegaConf.create(run_info["data"])
+        if "data_dir" in data_cfg:
+            data_cfg.data_dir = cfg.paths.data_dir
+    else:
+        raise CheckpointError(f"{ckpt_path} stores no data config; pass data=mnist (or another)")
+    return hydra.utils.instantiate(data_cfg)
+
+
 def resume_command(ckpt: Path) -> str:
     """The command line that resumes this run from ``ckpt``: same overrides, new ckpt_path."""
     try:
@@ -70,32 +144,3 @@ def resume_command(ckpt: Path) -> str:
     except ValueError:  # not started by @hydra.main (tests, notebooks)
         overrides = []
     return shlex.join(["python", "train.py", *overrides, f"ckpt_path={ckpt}"])
-
-
-class SaveOnInterrupt(L.Callback):
-    """On Ctrl-C (SIGINT) or SIGTERM, save ``last.ckpt`` and print the command that resumes.
-
-    Lightning stops the loop at the next batch boundary and calls ``on_exception``; the
-    process then exits non-zero (1 after SIGINT; 143 after SIGTERM, set by
-    ``vit_mnist.train.main``). Other exceptions, such as a non-finite loss, save nothing,
-    so the last good checkpoint is kept.
-    """
-
-    def on_exception(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
-    ) -> None:
-        if not isinstance(exception, KeyboardInterrupt | SIGTERMException):
-            return
-        callback = trainer.checkpoint_callback
-        folder = Path(callback.dirpath) if isinstance(callback, ModelCheckpoint) else None
-        if folder is None:
-            folder = Path(trainer.default_root_dir) / "checkpoints"
-        path = folder / "last.ckpt"
-        trainer.save_checkpoint(path)
-        what = "Interrupted (Ctrl-C)" if isinstance(exception, KeyboardInterrupt) else "SIGTERM"
-        message = (
-            f"{what} at epoch {trainer.current_epoch}, step {trainer.global_step}: saved {path}\n"
-            f"Resume with:\n  {resume_command(path)}"
-        )
-        # Through logging: the console and the run's log file both get it, once.
-        log.warning(message)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -14,8 +12,6 @@ from einops import rearrange
 from matplotlib import colormaps
 from PIL import Image, ImageDraw, ImageFont
 from torchvision.utils import make_grid
-
-from vit_mnist.data.sources import atomic_write_bytes
 
 
 @lru_cache(maxsize=4)
@@ -122,10 +118,3 @@ def captioned_grid(
 def grey(images: torch.Tensor) -> torch.Tensor:
     """(N, 1, H, W) images of any normalisation -> (N, 3, H, W) grey in [0, 1]."""
     return _unit(images.float().cpu()).expand(-1, 3, -1, -1)
-
-
-def save_png(image: torch.Tensor, path: str | Path) -> None:
-    """Save a (3, H, W) uint8 tensor as a PNG file (written to a temporary name, then renamed)."""
-    buffer = io.BytesIO()
-    Image.fromarray(image.permute(1, 2, 0).numpy()).save(buffer, format="PNG")
-    atomic_write_bytes(path, buffer.getvalue())

@@ -1,4 +1,17 @@
-"""Errors that the command line reports as one line, without a traceback."""
+"""Errors that the command line reports as one line, without a traceback, and the
+decorator that turns them into that line and exit status 2."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from hydra.errors import InstantiationException
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -21,3 +34,30 @@ class CheckpointError(RuntimeError):
 
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite; the message names the step and the LR."""
+
+
+# Errors whose message is the whole story: the command line prints one line, exits 2.
+USER_ERRORS = (ConfigError, DataError, CheckpointError, NonFiniteLossError)
+
+
+def exit_on_user_error(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn a :data:`USER_ERRORS` exception into one line on stderr and exit status 2.
+
+    Any other exception keeps its traceback: that is a bug to report, not bad input.
+    """
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except (*USER_ERRORS, InstantiationException) as e:
+            # hydra.utils.instantiate wraps what a constructor raises: report the cause.
+            cause = e.__cause__ if isinstance(e, InstantiationException) else e
+            if not isinstance(cause, USER_ERRORS):
+                raise
+            # One line on stderr; logging it too would print it twice on the console.
+            log.debug("user error", exc_info=True)
+            print(f"error: {cause}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    return wrapper

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import pickle
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -12,103 +10,23 @@ import hydra
 import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from vit_mnist.analysis import (
+from vit_mnist.analysis.attention import head_statistics
+from vit_mnist.analysis.heads import head_importance, head_importance_figure
+from vit_mnist.analysis.per_class import (
     class_report,
     confusion_matrix_figure,
-    head_importance,
-    head_importance_figure,
-    head_statistics,
     misclassified_grid,
     predict,
-    save_figure,
-    write_csv,
 )
-from vit_mnist.checkpointing import resolve_latest
-from vit_mnist.drawing import save_png
-from vit_mnist.errors import CheckpointError, ConfigError
+from vit_mnist.checkpointing import checkpoint_datamodule, read_checkpoint, resolve_ckpt_path
+from vit_mnist.errors import ConfigError, exit_on_user_error
+from vit_mnist.io import save_figure, save_png, write_csv, write_metrics
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
-from vit_mnist.utils import (
-    describe_device,
-    exit_on_user_error,
-    resolve_precision,
-    uses_cuda,
-    write_metrics,
-)
+from vit_mnist.speed.hardware import describe_device, resolve_precision, uses_cuda
 
 log = logging.getLogger(__name__)
-
-
-def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a checkpoint of this project safely (``torch.load(weights_only=True)``), on CPU.
-
-    Returns:
-        The checkpoint dict, with ``hyper_parameters`` (the model's arguments) and the
-        run info (data config, precision, seed) that ``train`` stored.
-
-    Raises:
-        CheckpointError: the file is missing, unreadable or truncated, or is not a
-            checkpoint written by vit_mnist; the message names the path.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(
-            f"checkpoint {path} does not exist; give ckpt_path=<run dir>/checkpoints/<file>.ckpt"
-        )
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
-        text = str(e).strip()
-        first = text.splitlines()[0].split(". ")[0] if text else type(e).__name__
-        raise CheckpointError(
-            f"checkpoint {path} cannot be read (truncated or not a checkpoint?): {first}"
-        ) from e
-    if (
-        not isinstance(ckpt, dict)
-        or "state_dict" not in ckpt
-        or "model" not in ckpt.get("hyper_parameters", {})
-    ):
-        raise CheckpointError(
-            f"{path} is not a vit_mnist checkpoint (no model arguments stored in it)"
-        )
-    return ckpt
-
-
-def resolve_ckpt_path(cfg: DictConfig) -> Path:
-    """``cfg.ckpt_path`` as a path; ``latest`` is the newest ``best-*.ckpt`` under outputs/.
-
-    Raises:
-        CheckpointError: no ``ckpt_path`` given, or ``latest`` finds no checkpoint.
-    """
-    if OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
-        raise CheckpointError(
-            "ckpt_path is required: python eval.py "
-            "ckpt_path=outputs/train/runs/<run>/checkpoints/<best-...>.ckpt (or ckpt_path=latest)"
-        )
-    return resolve_latest(cfg.ckpt_path, cfg.paths.log_dir, "best-*.ckpt")
-
-
-def checkpoint_datamodule(
-    cfg: DictConfig, ckpt_path: str | Path, run_info: dict[str, Any]
-) -> L.LightningDataModule:
-    """The datamodule a checkpoint was trained on, or ``cfg.data`` when that is given.
-
-    The stored ``data_dir`` is replaced by this run's ``paths.data_dir``: the training
-    machine's folder may not exist here.
-
-    Raises:
-        CheckpointError: the checkpoint stores no data config and ``cfg.data`` is unset.
-    """
-    if cfg.get("data") is not None:
-        data_cfg = cfg.data
-    elif "data" in run_info:
-        data_cfg = OmegaConf.create(run_info["data"])
-        if "data_dir" in data_cfg:
-            data_cfg.data_dir = cfg.paths.data_dir
-    else:
-        raise CheckpointError(f"{ckpt_path} stores no data config; pass data=mnist (or another)")
-    return hydra.utils.instantiate(data_cfg)
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:

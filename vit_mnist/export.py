@@ -20,11 +20,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from vit_mnist.data.sources import atomic_write_bytes
-from vit_mnist.errors import ConfigError
-from vit_mnist.evaluate import checkpoint_datamodule, read_checkpoint, resolve_ckpt_path
+from vit_mnist.checkpointing import checkpoint_datamodule, read_checkpoint, resolve_ckpt_path
+from vit_mnist.errors import ConfigError, exit_on_user_error
+from vit_mnist.io import atomic_write_bytes
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
-from vit_mnist.utils import exit_on_user_error
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vit_mnist.errors import ConfigError, NonFiniteLossError
 from vit_mnist.models.vit import VisionTransformer
+from vit_mnist.speed.hardware import pin_to_cores
 from vit_mnist.speed.paths import PATHS
-from vit_mnist.utils import pin_to_cores
 
 RUN_INFO_KEY = "vit_mnist"
 log = logging.getLogger(__name__)

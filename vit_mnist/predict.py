@@ -14,12 +14,12 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image, UnidentifiedImageError
 from torchvision.transforms.v2 import functional as TF
 
-from vit_mnist.attention_maps import attention_report, attention_rollout, cls_attention
-from vit_mnist.drawing import grey, labelled_grid, overlay, save_png
-from vit_mnist.errors import CheckpointError, ConfigError
-from vit_mnist.evaluate import read_checkpoint, resolve_ckpt_path
+from vit_mnist.analysis.attention import attention_report, attention_rollout, cls_attention
+from vit_mnist.checkpointing import read_checkpoint, resolve_ckpt_path
+from vit_mnist.drawing import grey, labelled_grid, overlay
+from vit_mnist.errors import CheckpointError, ConfigError, exit_on_user_error
+from vit_mnist.io import save_png
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
-from vit_mnist.utils import exit_on_user_error
 
 log = logging.getLogger(__name__)
 

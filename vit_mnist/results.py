@@ -182,7 +182,7 @@ def heads_plot(rows: Sequence[Row], out: Path, title: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from vit_mnist.analysis import save_figure
+    from vit_mnist.io import save_figure
 
     points = heads_curve(rows)
     heads, means, stds = (list(v) for v in zip(*[p[:3] for p in points], strict=True))

@@ -19,21 +19,18 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from vit_mnist.callbacks.throughput import TrainThroughput
-from vit_mnist.checkpointing import AtomicCheckpointIO, SaveOnInterrupt, resolve_latest
+from vit_mnist.checkpointing import (
+    read_checkpoint,
+    resolve_latest,
+)
 from vit_mnist.data.augment import BatchAugment
 from vit_mnist.data.sources import MNIST_MD5, raw_folder
-from vit_mnist.errors import ConfigError
-from vit_mnist.evaluate import read_checkpoint
+from vit_mnist.errors import ConfigError, exit_on_user_error
+from vit_mnist.io import write_metrics
 from vit_mnist.models.vit import check_vit_args
 from vit_mnist.module import ViTClassifier, check_module_args
 from vit_mnist.speed.choose import check_speed_path, choose
-from vit_mnist.utils import (
-    describe_device,
-    exit_on_user_error,
-    resolve_precision,
-    uses_cuda,
-    write_metrics,
-)
+from vit_mnist.speed.hardware import describe_device, resolve_precision, uses_cuda
 
 log = logging.getLogger(__name__)
 
@@ -210,12 +207,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "precision": precision,
         "seed": cfg.seed,
     }
-    throughput = TrainThroughput()
-    # `callbacks.NAME=null` on the command line switches one off.
+    # `callbacks.NAME=null` on the command line switches one off (configs/callbacks/).
     callbacks = [
         hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None
     ]
-    callbacks += [throughput, SaveOnInterrupt()]
+    throughput = next((c for c in callbacks if isinstance(c, TrainThroughput)), None)
     loggers = [
         hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None
     ]
@@ -223,7 +219,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         cfg.trainer,
         callbacks=callbacks,
         logger=loggers,
-        plugins=[AtomicCheckpointIO()],
         precision=precision,
     )
 
@@ -261,7 +256,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "speed_images_per_s": {k: round(v, 1) for k, v in choice.images_per_s.items()},
         # First training step to the end of the last (validations included; process
         # start, data preparation, sanity check and test left out): the speedrun's clock.
-        "fit_time_s": round(throughput.fit_time_s, 2) if throughput.fit_time_s else None,
+        "fit_time_s": (
+            round(throughput.fit_time_s, 2) if throughput and throughput.fit_time_s else None
+        ),
         # torch.compile's warm-up before the first step (speed.path=compile), else None.
         "compile_time_s": (
             round(module.compile_time_s, 2) if module.compile_time_s is not None else None
@@ -269,7 +266,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # Median over epochs of the training loop alone (no validation, no map logging),
         # for all processes together: DDP keeps them in step, so rank 0's rate x world size.
         "train_images_per_s": (
-            round(throughput.median * trainer.world_size, 1) if throughput.median else None
+            round(throughput.median * trainer.world_size, 1)
+            if throughput and throughput.median
+            else None
         ),
         "world_size": trainer.world_size,
         "effective_batch_size": cfg.data.batch_size * trainer.world_size,

@@ -1,6 +1,7 @@
-"""Lightning callbacks of this project."""
+"""Lightning callbacks of this project; each is named in ``configs/callbacks/``."""
 
 from vit_mnist.callbacks.attention_maps import AttentionMapLogger
+from vit_mnist.callbacks.save_on_interrupt import SaveOnInterrupt
 from vit_mnist.callbacks.throughput import TrainThroughput
 
-__all__ = ["AttentionMapLogger", "TrainThroughput"]
+__all__ = ["AttentionMapLogger", "SaveOnInterrupt", "TrainThroughput"]

@@ -10,7 +10,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
-from vit_mnist.attention_maps import attention_report
+from vit_mnist.analysis.attention import attention_report
 from vit_mnist.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,6 @@ import gzip
 import hashlib
 import json
 import logging
-import os
 import pickle
 import struct
 import subprocess
@@ -41,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from vit_mnist.errors import DataError
+from vit_mnist.io import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -73,21 +73,6 @@ def file_digest(path: Path, algorithm: str) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same folder and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def raw_folder(root: str | Path, folder: str = "MNIST") -> Path:

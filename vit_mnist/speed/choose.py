@@ -121,7 +121,7 @@ def _read_cache(file: Path) -> dict[str, Any]:
 
 
 def _write_cache(file: Path, key: str, entry: dict[str, Any]) -> None:
-    from vit_mnist.data.sources import atomic_write_bytes
+    from vit_mnist.io import atomic_write_bytes
 
     entries = _read_cache(file)
     entries[key] = entry

@@ -112,6 +112,38 @@ def cls_attention(weights: torch.Tensor, grid_size: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- report
 
 
+@torch.no_grad()
+def head_statistics(
+    model: VisionTransformer, images: torch.Tensor, batch_size: int = 250
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entropy (nats) and mean attention distance (pixels) of every head on ``images``.
+
+    The same statistics the training callback logs, averaged over all ``images``.
+
+    Returns:
+        Two (depth, heads) float32 tensors.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    grid, patch = model.patch_embed.grid_size, model.patch_embed.patch_size
+    entropy = torch.zeros(model.depth, model.num_heads)
+    distance = torch.zeros(model.depth, model.num_heads)
+    try:
+        for start in range(0, len(images), batch_size):
+            chunk = images[start : start + batch_size].to(device)
+            _, weights = model.forward_with_attention(chunk)
+            share = len(chunk) / len(images)
+            for layer, w in enumerate(weights):
+                entropy[layer] += share * attention_entropy(w).cpu()
+                distance[layer] += (
+                    share * mean_attention_distance(w, grid_size=grid, patch_size=patch).cpu()
+                )
+    finally:
+        model.train(was_training)
+    return entropy, distance
+
+
 @dataclass
 class AttentionReport:
     """Pictures and numbers about a model's attention on one batch of images.

@@ -1,0 +1,142 @@
+"""The package's rooms: imports run one way, and the README's Layout names every file."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# From the entry points down; a module may import from its own layer or the ones below.
+LAYERS: list[tuple[str, list[str]]] = [
+    ("entry points", ["vit_mnist.cli"]),
+    (
+        "tasks",
+        [
+            "vit_mnist.train",
+            "vit_mnist.evaluate",
+            "vit_mnist.predict",
+            "vit_mnist.export",
+            "vit_mnist.results",
+            "vit_mnist.tensorboard_server",
+        ],
+    ),
+    (
+        "parts",
+        [
+            "vit_mnist.module",
+            "vit_mnist.callbacks",
+            "vit_mnist.analysis",
+            "vit_mnist.checkpointing",
+            "vit_mnist.speed.choose",
+            "vit_mnist.speed.paths",
+            "vit_mnist.speed.forward",
+            "vit_mnist.speed.native_forward",
+            "vit_mnist.speed.native",
+        ],
+    ),
+    ("models and data", ["vit_mnist.models", "vit_mnist.data"]),
+    (
+        "base",
+        [
+            "vit_mnist.io",
+            "vit_mnist.errors",
+            "vit_mnist.drawing",
+            "vit_mnist.console",
+            "vit_mnist.speed.hardware",
+            "vit_mnist.speed",
+            "vit_mnist",
+        ],
+    ),
+]
+
+
+def layer_of(module: str) -> int:
+    """Index in LAYERS of the longest prefix that names ``module`` (its package or itself)."""
+    best, depth = None, -1
+    for i, (_, names) in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and name.count(".") > depth:
+                best, depth = i, name.count(".")
+    if best is None:
+        raise AssertionError(f"{module} is in no layer of tests/test_layout.py: add it")
+    return best
+
+
+def package_modules() -> dict[str, Path]:
+    modules = {}
+    for path in sorted((ROOT / "vit_mnist").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    return modules
+
+
+def imported(path: Path) -> set[str]:
+    """The vit_mnist modules that ``path`` imports, at any depth of its code."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            base = node.module
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    modules = package_modules()
+    return {n for n in names if n in modules}
+
+
+def test_imports_run_from_the_entry_points_down():
+    upward = []
+    for module, path in package_modules().items():
+        mine = layer_of(module)
+        for target in imported(path):
+            if layer_of(target) < mine:
+                upward.append(
+                    f"{module} ({LAYERS[mine][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+                )
+    assert not upward, "imports that run upwards:\n" + "\n".join(upward)
+
+
+def test_the_layer_check_catches_an_upward_import(tmp_path):
+    # The check above must be able to fail: a models file importing the trainer would.
+    fake = tmp_path / "vit.py"
+    fake.write_text("from vit_mnist.train import train\n")
+    assert layer_of("vit_mnist.train") < layer_of("vit_mnist.models.vit")
+    assert "vit_mnist.train" in imported(fake)
+
+
+def readme_layout_paths() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```", 2)[1]
+    paths = []
+    for line in block.splitlines()[1:]:
+        if not line or line[0].isspace():
+            continue  # a description continued from the line above
+        head = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
+        paths += [p.strip() for p in head.split(",")]
+    return paths
+
+
+def test_readme_layout_matches_git_ls_files():
+    try:
+        tracked = subprocess.run(
+            ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    listed = readme_layout_paths()
+    assert listed, "README's Layout section lists no paths"
+
+    def covers(entry: str, file: str) -> bool:
+        return file == entry or (entry.endswith("/") and file.startswith(entry))
+
+    missing = [e for e in listed if not any(covers(e, f) for f in tracked)]
+    assert not missing, f"README's Layout names paths that git does not track: {missing}"
+    unlisted = [f for f in tracked if not any(covers(e, f) for e in listed)]
+    assert not unlisted, f"tracked files that README's Layout does not name: {unlisted}"

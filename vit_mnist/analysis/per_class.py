@@ -1,0 +1,124 @@
+"""Per-class results of a trained model: predictions, accuracy, precision and recall per
+class, the confusion matrix, and a picture of the misclassified images."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+from torchmetrics.functional.classification import (
+    multiclass_accuracy,
+    multiclass_confusion_matrix,
+    multiclass_precision,
+    multiclass_recall,
+)
+
+from vit_mnist.drawing import captioned_grid, grey
+
+
+def predict(
+    trainer: L.Trainer, module: L.LightningModule, loader: DataLoader
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All logits and labels of ``loader``, with the trainer's device and precision.
+
+    Returns:
+        logits (N, num_classes) float32 and labels (N,) int64, on the CPU.
+    """
+    outputs = trainer.predict(module, dataloaders=loader)
+    logits = torch.cat([o[0].cpu() for o in outputs])
+    labels = torch.cat([o[1].cpu() for o in outputs])
+    return logits, labels
+
+
+def class_report(
+    logits: torch.Tensor, labels: torch.Tensor, class_names: Sequence[str]
+) -> tuple[list[dict[str, Any]], torch.Tensor]:
+    """Per-class accuracy (= recall), precision and recall, and the confusion matrix.
+
+    Returns:
+        One row per class (``class``, ``name``, ``support``, ``accuracy``, ``precision``,
+        ``recall``; fractions in [0, 1]) and the (C, C) int64 confusion matrix, rows =
+        true class, columns = predicted class.
+    """
+    c = len(class_names)
+    preds = logits.argmax(dim=1)
+    kw = {"num_classes": c, "average": None}
+    acc = multiclass_accuracy(preds, labels, **kw)
+    precision = multiclass_precision(preds, labels, **kw, zero_division=0)
+    recall = multiclass_recall(preds, labels, **kw, zero_division=0)
+    cm = multiclass_confusion_matrix(preds, labels, num_classes=c)
+    rows = [
+        {
+            "class": i,
+            "name": class_names[i],
+            "support": int(cm[i].sum()),
+            "accuracy": round(float(acc[i]), 6),
+            "precision": round(float(precision[i]), 6),
+            "recall": round(float(recall[i]), 6),
+        }
+        for i in range(c)
+    ]
+    return rows, cm
+
+
+def confusion_matrix_figure(cm: torch.Tensor, class_names: Sequence[str], title: str = ""):
+    """A matplotlib figure of the confusion matrix with counts in the cells."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = len(class_names)
+    fig, ax = plt.subplots(figsize=(1.0 + 0.62 * c, 0.8 + 0.55 * c), dpi=110)
+    # Log colour scale: the diagonal is ~100x the off-diagonal cells.
+    ax.imshow(torch.log1p(cm.float()).numpy(), cmap="Blues")
+    for i in range(c):
+        for j in range(c):
+            v = int(cm[i, j])
+            colour = "white" if i == j else "black"
+            ax.text(j, i, str(v), ha="center", va="center", fontsize=7, color=colour)
+    ax.set_xticks(range(c), class_names, rotation=45 if max(map(len, class_names)) > 2 else 0)
+    ax.set_yticks(range(c), class_names)
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title(title or f"confusion matrix ({int(cm.sum())} images)")
+    fig.tight_layout()
+    return fig
+
+
+def misclassified_grid(
+    images: torch.Tensor,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    class_names: Sequence[str],
+    *,
+    max_tiles: int = 1000,
+    cols: int = 20,
+) -> tuple[torch.Tensor, int]:
+    """A picture of the misclassified images, captioned ``true>predicted confidence%``.
+
+    Args:
+        images: (N, 1, H, W) float, the whole evaluated set, in the order of ``logits``.
+        logits: (N, C); labels: (N,).
+        max_tiles: at most this many tiles (the first errors in dataset order).
+
+    Returns:
+        (3, height, width) uint8 picture and the number of tiles in it.
+    """
+    probs = logits.softmax(dim=1)
+    confidence, preds = probs.max(dim=1)
+    wrong = torch.nonzero(preds != labels).flatten()
+    total = len(wrong)
+    wrong = wrong[:max_tiles]
+    captions = [
+        f"{class_names[labels[i]]}>{class_names[preds[i]]} {100 * confidence[i]:.0f}%"
+        for i in wrong.tolist()
+    ]
+    shown = "" if total == len(wrong) else f", the first {len(wrong)} shown"
+    title = f"{total} misclassified of {len(labels)} (true>predicted confidence){shown}"
+    if not len(wrong):
+        return captioned_grid(torch.ones(0, 3, *images.shape[-2:]), [], cols=cols, title=title), 0
+    return captioned_grid(grey(images[wrong]), captions, cols=cols, title=title), len(wrong)

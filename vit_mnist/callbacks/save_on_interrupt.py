@@ -1,0 +1,43 @@
+"""Saving ``last.ckpt`` when a run is interrupted, with the command that resumes it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from vit_mnist.checkpointing import resume_command
+
+log = logging.getLogger(__name__)
+
+
+class SaveOnInterrupt(L.Callback):
+    """On Ctrl-C (SIGINT) or SIGTERM, save ``last.ckpt`` and print the command that resumes.
+
+    Lightning stops the loop at the next batch boundary and calls ``on_exception``; the
+    process then exits non-zero (1 after SIGINT; 143 after SIGTERM, set by
+    ``vit_mnist.train.main``). Other exceptions, such as a non-finite loss, save nothing,
+    so the last good checkpoint is kept.
+    """
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        if not isinstance(exception, KeyboardInterrupt | SIGTERMException):
+            return
+        callback = trainer.checkpoint_callback
+        folder = Path(callback.dirpath) if isinstance(callback, ModelCheckpoint) else None
+        if folder is None:
+            folder = Path(trainer.default_root_dir) / "checkpoints"
+        path = folder / "last.ckpt"
+        trainer.save_checkpoint(path)
+        what = "Interrupted (Ctrl-C)" if isinstance(exception, KeyboardInterrupt) else "SIGTERM"
+        message = (
+            f"{what} at epoch {trainer.current_epoch}, step {trainer.global_step}: saved {path}\n"
+            f"Resume with:\n  {resume_command(path)}"
+        )
+        # Through logging: the console and the run's log file both get it, once.
+        log.warning(message)

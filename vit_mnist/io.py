@@ -1,0 +1,105 @@
+"""Writing files so that a killed process never leaves half of one: every writer here goes
+through :func:`atomic_write_bytes` (a temporary file in the same folder, fsync, rename).
+
+What is written: raw bytes (checkpoints, IDX data files), ``metrics.json``, CSV tables,
+PNG pictures from tensors and matplotlib figures.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _current_umask() -> int:
+    # os.umask can only be read by setting it; set it straight back.
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same folder and a rename.
+
+    The file gets the permissions an ordinary ``open(path, "wb")`` would give (0666 less
+    the process umask), not the 0600 of :func:`tempfile.mkstemp`, so a shared data dir
+    or checkpoint stays readable by the others it was meant for.
+
+    Raises:
+        OSError: the folder cannot be created or written (full disk, no permission); the
+            temporary file is removed and an earlier ``path`` is left as it was.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_current_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def write_metrics(path: str | Path, metrics: dict[str, Any]) -> dict[str, Any]:
+    """Write ``metrics`` as indented JSON, atomically.
+
+    Returns:
+        The metrics as written: tensors turned into Python numbers, non-finite floats
+        into strings (JSON has no NaN).
+    """
+    clean = {k: _plain(v) for k, v in metrics.items()}
+    atomic_write_bytes(Path(path), (json.dumps(clean, indent=2, sort_keys=True) + "\n").encode())
+    log.info("Metrics written to %s", path)
+    return clean
+
+
+def write_csv(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
+    """Write dict rows as a CSV file with a header (the first row's keys), atomically."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_bytes(Path(path), buffer.getvalue().encode())
+
+
+def save_png(image: torch.Tensor, path: str | Path) -> None:
+    """Save a (3, H, W) uint8 tensor as a PNG file, atomically."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image.permute(1, 2, 0).numpy()).save(buffer, format="PNG")
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def save_figure(fig, path: str | Path) -> None:
+    """Save a matplotlib figure as PNG, atomically, and close it."""
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    atomic_write_bytes(Path(path), buffer.getvalue())
