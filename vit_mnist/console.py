@@ -6,12 +6,19 @@ from __future__ import annotations
 import logging
 import warnings
 
-# Narrow on purpose: the message of each notice, so that any other warning still shows.
+# Narrow on purpose: the message and the module of each notice, so that any other warning
+# still shows.
 _IGNORED_WARNINGS = (
     # torch deprecates the pytree API that Lightning still calls; nothing for the user to do.
-    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\."),
     # The model summary counts bf16 parameters at 32 bits; the parameter count is exact.
-    r"Precision bf16-mixed is not supported by the model summary",
+    (r"Precision bf16-mixed is not supported by the model summary", r"lightning\.pytorch\."),
+    # Epochs shorter than log_every_n_steps: ViTClassifier.on_train_start lowers the
+    # interval to the epoch's length, so train/loss is logged anyway.
+    (
+        r"The number of training batches \(\d+\) is smaller than the logging interval",
+        r"lightning\.pytorch\.",
+    ),
 )
 
 
@@ -38,5 +45,5 @@ def quiet_console() -> None:
     rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _DropVendorTips) for f in rank_zero.filters):
         rank_zero.addFilter(_DropVendorTips())
-    for message in _IGNORED_WARNINGS:
-        warnings.filterwarnings("ignore", message=message)
+    for message, module in _IGNORED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, module=module)

@@ -211,6 +211,11 @@ class ViTClassifier(L.LightningModule):
         self.val_acc_best.reset()
         if self._resumed_val_acc_best is not None:
             self.val_acc_best(torch.tensor(self._resumed_val_acc_best))
+        # An epoch shorter than the logging interval (a quick check with
+        # limit_train_batches=3) would log no train/loss at all: log every step instead.
+        batches = self.trainer.num_training_batches
+        if isinstance(batches, int) and 0 < batches < self.trainer.log_every_n_steps:
+            self.trainer.log_every_n_steps = batches
         if PATHS[self.speed_path].compiles:
             self._warm_up_compiled()
 
