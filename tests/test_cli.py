@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import ROOT, TINY_MODEL
 
@@ -183,8 +185,7 @@ def test_console_prints_each_line_once_without_tips_and_names_the_speed_path(tmp
             "data=synthetic",
             *TINY_MODEL,
             "trainer.max_epochs=1",
-            "trainer.limit_train_batches=3",
-            "trainer.log_every_n_steps=1",
+            "trainer.limit_train_batches=3",  # shorter than log_every_n_steps (50)
             "speed.path=handwritten",
             "trainer.precision=32-true",
             "callbacks.progress_bar=null",
@@ -204,7 +205,16 @@ def test_console_prints_each_line_once_without_tips_and_names_the_speed_path(tmp
     assert not any(line.startswith("INFO: ") for line in lines), result.stderr
     assert "Tip" not in result.stdout + result.stderr
     assert "is deprecated" not in result.stderr
+    warnings = [line for line in lines if re.search(r"\.py:\d+: ", line)]
+    assert not warnings, warnings
+    text_lines = [line for line in logged if "it/s]" not in line]  # progress-bar frames aside
+    repeated = {line for line in text_lines if text_lines.count(line) > 1}
+    assert not repeated, repeated
     speed = [
         line for line in lines if line.startswith("speed path: handwritten, precision 32-true")
     ]
     assert len(speed) == 1
+    # An epoch shorter than the logging interval still logs train/loss (every step).
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [0, 1, 2]

@@ -215,7 +215,7 @@ class ViTClassifier(L.LightningModule):
         # limit_train_batches=3) would log no train/loss at all: log every step instead.
         batches = self.trainer.num_training_batches
         if isinstance(batches, int) and 0 < batches < self.trainer.log_every_n_steps:
-            self.trainer.log_every_n_steps = batches
+            self.trainer.log_every_n_steps = 1
         if PATHS[self.speed_path].compiles:
             self._warm_up_compiled()
 
