@@ -187,13 +187,19 @@ def test_train_real_mnist_subset_then_eval(mnist_dir, tmp_path):
     assert evaluate(eval_cfg)["test/acc"] == metrics["test/acc"]
 
 
-@pytest.mark.parametrize("content", [None, b"", b"garbage" * 10])
+@pytest.mark.parametrize("content", [None, b"", b"garbage" * 10, b"hello\n", "folder"])
 def test_eval_rejects_missing_truncated_or_foreign_checkpoint(tmp_path, content):
+    # A text file made torch.load raise KeyError, and a folder read as "does not exist".
     path = tmp_path / "model.ckpt"
-    if content is not None:
+    if content == "folder":
+        (path / "checkpoints").mkdir(parents=True)
+        (path / "checkpoints" / "last.ckpt").write_bytes(b"")
+    elif content is not None:
         path.write_bytes(content)
-    with pytest.raises(CheckpointError, match=str(path)):
+    with pytest.raises(CheckpointError, match=str(path)) as error:
         read_checkpoint(path)
+    if content == "folder":
+        assert "is a folder" in str(error.value) and "last.ckpt" in str(error.value)
 
 
 def test_eval_rejects_foreign_torch_file(tmp_path):

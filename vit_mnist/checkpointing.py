@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
-import pickle
 import shlex
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -76,15 +74,23 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
             checkpoint written by vit_mnist; the message names the path.
     """
     path = Path(path)
+    if path.is_dir():
+        found = sorted(p.relative_to(path) for p in path.rglob("*.ckpt"))[:3]
+        hint = ", e.g. " + ", ".join(str(path / f) for f in found) if found else ""
+        raise CheckpointError(f"checkpoint {path} is a folder; give a .ckpt file inside it{hint}")
     if not path.is_file():
         raise CheckpointError(
             f"checkpoint {path} does not exist; give ckpt_path=<run dir>/checkpoints/<file>.ckpt"
         )
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
+    except Exception as e:
+        # weights_only=True runs no code from the file, so whatever fails while parsing
+        # (a text file gives KeyError, a cut one EOFError or BadZipFile) means the same:
+        # this is not a readable checkpoint.
         text = str(e).strip()
-        first = text.splitlines()[0].split(". ")[0] if text else type(e).__name__
+        first = text.splitlines()[0].split(". ")[0] if text else ""
+        first = f"{type(e).__name__}: {first}" if isinstance(e, KeyError) or not first else first
         raise CheckpointError(
             f"checkpoint {path} cannot be read (truncated or not a checkpoint?): {first}"
         ) from e
