@@ -42,3 +42,18 @@ def count_applies(monkeypatch, function) -> list[int]:
 
     monkeypatch.setattr(function, "apply", counting)
     return calls
+
+
+class PauseInSetup(L.Callback):
+    """Prints ``paused in setup`` and sleeps in the ``setup`` hook, which Lightning calls
+    after the Trainer is built and before a resumed checkpoint is restored: the window in
+    which an interrupt must not overwrite the checkpoint being resumed."""
+
+    def __init__(self, seconds: float = 60.0) -> None:
+        self.seconds = seconds
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        import time
+
+        print("paused in setup", flush=True)
+        time.sleep(self.seconds)

@@ -107,6 +107,36 @@ def test_interrupt_saves_last_and_prints_resume_command(tmp_path, sig, status):
     assert "data.num_train=4096" in shown  # the same overrides as the interrupted run
 
 
+def test_interrupt_before_the_restore_leaves_the_resumed_checkpoint_untouched(
+    tmp_path, make_train_cfg
+):
+    # Ctrl-C while a resumed run is still loading must not save the fresh, untrained
+    # weights over the checkpoint it was about to restore.
+    metrics = train(make_train_cfg("trainer.max_epochs=1", output_dir=tmp_path / "first"))
+    last = Path(metrics["best_ckpt"]).with_name("last.ckpt")
+    before = last.read_bytes()
+    run_dir = tmp_path / "resumed"
+    proc = start(
+        run_dir,
+        tmp_path,
+        f"ckpt_path={last}",
+        "+callbacks.pause._target_=tests.helpers.PauseInSetup",
+    )
+    for line in proc.stdout:
+        if line.strip() == "paused in setup":
+            break
+    else:
+        pytest.fail(proc.communicate())
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert last.read_bytes() == before
+    assert not (run_dir / "checkpoints" / "last.ckpt").exists()
+    shown = stdout + stderr
+    assert "before training started: nothing saved" in shown
+    assert f"ckpt_path={last}" in shown  # the command as given, to run again
+
+
 def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path):
     path = tmp_path / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(3)}, "v": 1}, path)

@@ -141,12 +141,18 @@ def checkpoint_datamodule(
     return hydra.utils.instantiate(data_cfg)
 
 
-def resume_command(ckpt: Path) -> str:
-    """The command line that resumes this run from ``ckpt``: same overrides, new ckpt_path."""
+def resume_command(ckpt: Path | None) -> str:
+    """The command line that resumes this run from ``ckpt``: same overrides, new ckpt_path.
+
+    With ``ckpt=None``: the command as it was given, ``ckpt_path`` included.
+    """
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("ckpt_path=")]
+        overrides = list(HydraConfig.get().overrides.task)
     except ValueError:  # not started by @hydra.main (tests, notebooks)
         overrides = []
-    return shlex.join(["python", "train.py", *overrides, f"ckpt_path={ckpt}"])
+    if ckpt is not None:
+        overrides = [o for o in overrides if not o.startswith("ckpt_path=")]
+        overrides.append(f"ckpt_path={ckpt}")
+    return shlex.join(["python", "train.py", *overrides])

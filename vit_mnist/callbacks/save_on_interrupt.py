@@ -21,12 +21,32 @@ class SaveOnInterrupt(L.Callback):
     process then exits non-zero (1 after SIGINT; 143 after SIGTERM, set by
     ``vit_mnist.train.main``). Other exceptions, such as a non-finite loss, save nothing,
     so the last good checkpoint is kept.
+
+    Nothing is saved before training has started (``on_train_start``, which Lightning calls
+    after restoring a resumed checkpoint): until then the weights are the random initial
+    ones, and saving them would replace the progress of the run being resumed with a blank
+    ``last.ckpt``. The message then repeats the command as it was given.
     """
+
+    def __init__(self) -> None:
+        self._training_started = False
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._training_started = True
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
         if not isinstance(exception, KeyboardInterrupt | SIGTERMException):
+            return
+        what = "Interrupted (Ctrl-C)" if isinstance(exception, KeyboardInterrupt) else "SIGTERM"
+        if not self._training_started:
+            log.warning(
+                "%s before training started: nothing saved, no file changed. "
+                "Run the same command again:\n  %s",
+                what,
+                resume_command(None),
+            )
             return
         callback = trainer.checkpoint_callback
         folder = Path(callback.dirpath) if isinstance(callback, ModelCheckpoint) else None
@@ -34,7 +54,6 @@ class SaveOnInterrupt(L.Callback):
             folder = Path(trainer.default_root_dir) / "checkpoints"
         path = folder / "last.ckpt"
         trainer.save_checkpoint(path)
-        what = "Interrupted (Ctrl-C)" if isinstance(exception, KeyboardInterrupt) else "SIGTERM"
         message = (
             f"{what} at epoch {trainer.current_epoch}, step {trainer.global_step}: saved {path}\n"
             f"Resume with:\n  {resume_command(path)}"
