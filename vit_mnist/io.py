@@ -77,10 +77,15 @@ def write_metrics(path: str | Path, metrics: dict[str, Any]) -> dict[str, Any]:
     return clean
 
 
-def write_csv(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
-    """Write dict rows as a CSV file with a header (the first row's keys), atomically."""
+def write_csv(
+    path: str | Path, rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None
+) -> None:
+    """Write dict rows as a CSV file with a header, atomically.
+
+    ``columns`` defaults to the first row's keys (then ``rows`` must not be empty).
+    """
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+    writer = csv.DictWriter(buffer, fieldnames=list(columns or rows[0]))
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_bytes(Path(path), buffer.getvalue().encode())

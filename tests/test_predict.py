@@ -1,0 +1,276 @@
+"""`scripts/predict.py` on files, folders and glob patterns: predictions.csv, failed files
+reported by name, exit status 1 when any failed."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from tests.conftest import ROOT, TINY_MODEL, compose_config
+from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
+from vit_mnist.predict import (
+    CSV_COLUMNS,
+    collect_images,
+    load_model,
+    main,
+    mnist_preprocess,
+    output_stems,
+    predict_images,
+)
+
+TOP3 = re.compile(r"^\d:[01]\.\d{3} \d:[01]\.\d{3} \d:[01]\.\d{3}$")
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """An untrained tiny model saved as a Lightning checkpoint of this project: its model
+    arguments, weights and the run info with the data normalisation. Enough for
+    ``load_model``, and no training to wait for."""
+    torch.manual_seed(0)
+    model = {k.removeprefix("model."): int(v) for k, v in (o.split("=") for o in TINY_MODEL)}
+    module = ViTClassifier(model=model)
+    path = tmp_path_factory.mktemp("ckpt") / "tiny.ckpt"
+    torch.save(
+        {
+            "state_dict": module.state_dict(),
+            "hyper_parameters": dict(module.hparams),
+            "pytorch-lightning_version": L.__version__,
+            RUN_INFO_KEY: {"data": {"mean": 0.1307, "std": 0.3081}},
+        },
+        path,
+    )
+    return path
+
+
+def draw_digit(path: Path, seed: int, size: int = 48) -> Path:
+    """A stroke of dark ink on white paper, saved in the format its suffix names."""
+    rng = random.Random(seed)
+    image = Image.new("RGB", (size, size), "white")
+    points = [(rng.randint(6, size - 6), rng.randint(6, size - 6)) for _ in range(4)]
+    ImageDraw.Draw(image).line(points, fill="black", width=5)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)
+    return path
+
+
+def predict(ckpt: Path, images: str, run_dir: Path) -> tuple[int, list[dict[str, str]]]:
+    """``main`` as the command line runs it: the exit status and the CSV's rows."""
+    cfg = compose_config("predict", [f"ckpt_path={ckpt}", f"images={images}"], run_dir)
+    try:
+        main(cfg)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    csv_path = run_dir / "predictions.csv"
+    rows = list(csv.DictReader(csv_path.open())) if csv_path.exists() else []
+    return code, rows
+
+
+def check_predicted(row: dict[str, str], run_dir: Path) -> None:
+    assert row["error"] == "", row
+    assert TOP3.match(row["top3"]), row["top3"]
+    assert row["top3"].split()[0].split(":")[0] == row["predicted"]
+    assert 0 < float(row["confidence"]) <= 1
+    assert (run_dir / row["attention"]).is_file()
+    assert (run_dir / row["attention"].replace("_attention", "_28x28")).is_file()
+
+
+def test_folder_skips_other_files_and_reports_a_broken_image(tiny_ckpt, tmp_path, capsys, caplog):
+    folder = tmp_path / "my_digits"
+    for i, name in enumerate(["a.png", "b.PNG", "c.jpg", "d.JPEG", "e.bmp", "f.webp"]):
+        draw_digit(folder / name, seed=i)
+    whole = (folder / "a.png").read_bytes()
+    (folder / "broken.png").write_bytes(whole[: len(whole) // 2])  # a cut-off download
+    (folder / "notes.txt").write_text("not an image")
+    (folder / "README").write_text("not an image")
+    (folder / "._a.png").write_bytes(b"\x00\x05\x16\x07 macOS metadata")
+    draw_digit(folder / "sub" / "z.png", seed=9)  # not searched: a folder is read flat
+    caplog.set_level(logging.INFO, logger="vit_mnist.predict")
+
+    code, rows = predict(tiny_ckpt, str(folder), tmp_path / "run")
+
+    assert code == 1
+    names = ["a.png", "b.PNG", "broken.png", "c.jpg", "d.JPEG", "e.bmp", "f.webp"]
+    assert [r["path"] for r in rows] == [str(folder / n) for n in names]
+    assert list(rows[0]) == list(CSV_COLUMNS)
+    broken = rows.pop(2)
+    assert broken["error"].startswith("OSError") and "truncated" in broken["error"]
+    assert broken["predicted"] == broken["confidence"] == broken["top3"] == ""
+    for row in rows:
+        check_predicted(row, tmp_path / "run")
+    out = capsys.readouterr().out
+    assert f"{folder / 'broken.png'}: cannot be read (OSError" in out
+    assert f"{folder / 'a.png'}: " in out  # a few images: one line each
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 1, skipped
+    for part in ("3 files", ".txt", "hidden", "no suffix", "1 subfolder", "**"):
+        assert part in skipped[0], skipped[0]
+
+
+def test_patterns_duplicates_missing_paths_and_shared_stems(
+    tiny_ckpt, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    for i, name in enumerate(["a/1.png", "a/2.png", "a/deep/3.png", "b/1.png"]):
+        draw_digit(Path(name), seed=i)
+    Path("b/note.txt").write_text("skipped")
+
+    images = "[a/*.png,./a/1.png,b/,a/**/3.png,a/2.png,missing.png,nothing*.png]"
+    code, rows = predict(tiny_ckpt, images, tmp_path / "run")
+
+    assert code == 1
+    # Duplicates (./a/1.png, a/2.png again) are kept once, at their first place; the
+    # values that found nothing come last, named as given.
+    assert [r["path"] for r in rows] == [
+        "a/1.png",
+        "a/2.png",
+        "b/1.png",
+        "a/deep/3.png",
+        "missing.png",
+        "nothing*.png",
+    ]
+    for row in rows[:4]:
+        check_predicted(row, tmp_path / "run")
+    # a/1.png and b/1.png share a stem: each gets its own pictures.
+    assert [r["attention"] for r in rows[:4]] == [
+        "a_1_attention.png",
+        "2_attention.png",
+        "b_1_attention.png",
+        "3_attention.png",
+    ]
+    assert rows[4]["error"] == "no such file or folder"
+    assert rows[5]["error"] == "no file matches this pattern"
+    out = capsys.readouterr().out
+    assert "missing.png: cannot be read (no such file or folder)" in out
+    assert "nothing*.png: cannot be read" in out
+
+    # Recursive ** and a character class; an existing file whose name looks like a
+    # pattern is that file.
+    assert collect_images("a/**/*.png")[0] == [Path(p) for p in ["a/1.png", "a/2.png"]] + [
+        Path("a/deep/3.png")
+    ]
+    assert collect_images(["a/[2-9].png"]) == ([Path("a/2.png")], [])
+    odd = draw_digit(Path("odd[1].png"), seed=5)
+    assert collect_images(str(odd)) == ([odd], [])
+
+
+def test_images_that_name_nothing_are_one_error_line(tiny_ckpt, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "list.csv").write_text("x")
+    images = f"[{tmp_path / 'nope'}/,{tmp_path / 'none*.png'},{tmp_path / 'empty'}]"
+    code, rows = predict(tiny_ckpt, images, tmp_path / "run")
+    assert code == 2 and rows == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: images names no image: "), err
+    for part in ("nope/: no such file", "none*.png: no file matches", "empty: the folder holds"):
+        assert part in err[0], err[0]
+    assert "images=my_digits/" in err[0]  # how to fix it
+
+
+def test_batches_match_one_pass_and_stems_stay_distinct(tiny_ckpt, tmp_path):
+    paths = [draw_digit(tmp_path / "in" / f"{i}.png", seed=i) for i in range(5)]
+    module, _ = load_model(tiny_ckpt)
+    one = predict_images(module, paths, tmp_path / "one")
+    batched = predict_images(module, paths, tmp_path / "batched", batch_size=2)
+    for a, b in zip(one, batched, strict=True):
+        assert [n for n, _ in a.top] == [n for n, _ in b.top]
+        assert [p for _, p in a.top] == pytest.approx([p for _, p in b.top], abs=1e-5)
+        assert b.picture.is_file()
+
+    stems = output_stems(
+        [Path(p) for p in ["a/7.png", "b/7.png", "a/7.jpg", "a_7.png", "c/X.png", "d/x.png"]]
+    )
+    assert stems[:2] == ["a_7", "b_7"]
+    assert len({s.casefold() for s in stems}) == len(stems), stems
+
+
+def test_script_on_a_folder_of_200_pngs_writes_200_rows(tiny_ckpt, tmp_path):
+    folder = tmp_path / "digits200"
+    for i in range(200):
+        draw_digit(folder / f"digit_{i:03d}.png", seed=i, size=32)
+    run_dir = tmp_path / "run"
+    # PYTHONPATH: the vit_mnist of this checkout, not whichever one is pip-installed.
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/predict.py"), f"ckpt_path={tiny_ckpt}"]
+        + [f"images={folder}", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": pythonpath},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader((run_dir / "predictions.csv").open()))
+    assert len(rows) == 200
+    assert [r["path"] for r in rows] == [str(p) for p in sorted(folder.iterdir())]
+    assert all(r["error"] == "" and TOP3.match(r["top3"]) for r in rows)
+    assert len(list(run_dir.glob("*_attention.png"))) == 200
+    # A summary instead of 200 lines.
+    assert "200 of 200 images predicted" in result.stdout
+    assert f"predictions: {run_dir / 'predictions.csv'}" in result.stdout
+    assert len(result.stdout.strip().splitlines()) <= 3, result.stdout
+
+
+def _digit_seven(size: int = 60) -> np.ndarray:
+    """Dark ink on white paper: a 7 (top bar and a diagonal), not symmetric under rotation."""
+    a = np.full((size, size), 255, np.uint8)
+    a[8:14, 10:50] = 0
+    for r in range(14, 52):
+        c = 50 - (r - 14) // 2
+        a[r, c - 3 : c + 3] = 0
+    return a
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    # A phone stores the pixels sideways and says so in EXIF (orientation 6: rotate 90
+    # degrees clockwise to view); the digit must be read the way it is viewed.
+    upright = Image.fromarray(_digit_seven())
+    stored = upright.rotate(90, expand=True)  # what the sensor wrote
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    path = tmp_path / "phone.jpg"
+    stored.save(path, exif=exif, quality=95)
+    with Image.open(path) as image:
+        seen = mnist_preprocess(image)
+    expected = mnist_preprocess(upright)
+    assert (seen - expected).abs().mean() < 0.02
+    assert (mnist_preprocess(stored) - expected).abs().mean() > 0.05  # rotation matters
+
+
+def test_16_bit_grey_is_scaled_not_clipped(tmp_path):
+    # Ink at 20 000 and paper at 60 000 of 65 535: convert("L") clipped both to 255, and
+    # the digit was called blank.
+    sixteen = (20_000 + _digit_seven().astype(np.float64) / 255 * 40_000).round()
+    path = tmp_path / "scan16.png"
+    Image.fromarray(sixteen.astype(np.uint16)).save(path)
+    expected = mnist_preprocess(Image.fromarray((sixteen / 257).round().astype(np.uint8)))
+    with Image.open(path) as image:
+        assert image.mode.startswith("I")
+        torch.testing.assert_close(mnist_preprocess(image), expected, atol=0.01, rtol=0)
+        as_int32 = image.convert("I")  # how some decoders hand 16-bit grey over
+    torch.testing.assert_close(mnist_preprocess(as_int32), expected, atol=0.01, rtol=0)
+
+
+def test_an_image_over_the_pixel_limit_is_refused_by_name(tiny_ckpt, tmp_path, monkeypatch):
+    # A decompression bomb (a small file of huge dimensions) is one failed file; the image
+    # beside it is still predicted. Pillow's limit is lowered so the test needs no bomb.
+    good = draw_digit(tmp_path / "good.png", seed=1, size=30)
+    bomb = draw_digit(tmp_path / "bomb.png", seed=2, size=200)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 30 * 30 * 2)
+    module, _ = load_model(tiny_ckpt)
+    good_result, bomb_result = predict_images(module, [good, bomb], tmp_path / "out")
+    assert good_result.error is None and good_result.top
+    assert "DecompressionBombError" in bomb_result.error and not bomb_result.top
