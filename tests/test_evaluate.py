@@ -94,8 +94,48 @@ def test_head_importance(synthetic_ckpt, tmp_path):
         assert 0 <= float(r["acc"]) <= 1
         assert 0 <= float(r["entropy_nats"]) <= np.log(17) + 1e-4
         assert float(r["mean_distance_px"]) > 0
+        assert float(r["grad_importance"]) >= 0
     assert metrics["head_importance"]["baseline"]["acc"] == pytest.approx(metrics["test/acc"])
+    assert -1 <= metrics["heads/spearman_grad_vs_ablation"] <= 1
     assert (tmp_path / "head_importance.png").is_file()
+
+
+def test_faithfulness_analysis(synthetic_ckpt, tmp_path):
+    ckpt, _ = synthetic_ckpt
+    overrides = [f"ckpt_path={ckpt}", "trainer=cpu", "analysis=faithfulness"]
+    cfg = compose_config("eval", [*overrides, "faithfulness.num_images=32"], tmp_path)
+    metrics = evaluate(cfg)
+    rows = list(csv.DictReader((tmp_path / "faithfulness.csv").open()))
+    assert [r["method"] for r in rows] == ["attention", "rollout", "relevance", "random"]
+    assert list(rows[0]) == ["method", "positive_auc", "negative_auc"]
+    assert metrics["faithfulness/num_images"] == 32
+    for r in rows:
+        for key in ("positive_auc", "negative_auc"):
+            assert 0 <= float(r[key]) <= 1
+            assert metrics[f"faithfulness/{r['method']}/{key}"] == pytest.approx(float(r[key]))
+    assert (tmp_path / "faithfulness.png").is_file()
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert (
+        saved["faithfulness/relevance/positive_auc"]
+        == metrics["faithfulness/relevance/positive_auc"]
+    )
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = set()
+    for events in (tmp_path / "tensorboard").rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events), size_guidance={"images": 0, "scalars": 0})
+        acc.Reload()
+        tags |= set(acc.Tags()["images"]) | set(acc.Tags()["scalars"])
+    assert {"faithfulness", "faithfulness/relevance/positive_auc"} <= tags
+    with pytest.raises(ValueError, match="analysis='nonsense' is unknown"):
+        evaluate(compose_config("eval", [*overrides[:2], "analysis=nonsense"], tmp_path / "x"))
+
+    # The README's relevance picture is drawn from a checkpoint by this script.
+    from scripts.relevance_figure import main as relevance_figure
+
+    assert relevance_figure([str(ckpt), "--out", str(tmp_path / "r.png"), "--digits", "3"]) == 0
+    with Image.open(tmp_path / "r.png") as picture:
+        assert picture.width > 3 * 84 and picture.height > 4 * 84
 
 
 def test_heads_zeroed_removes_exactly_that_head():

@@ -2,7 +2,10 @@
 
 - :mod:`vit_mnist.analysis.attention`: attention maps, rollout, entropy, mean attention
   distance, and the pictures the TensorBoard callback and ``predict.py`` show;
-- :mod:`vit_mnist.analysis.heads`: head ablation and importance (Michel et al. 2019);
+- :mod:`vit_mnist.analysis.relevance`: class relevance maps (Chefer, Gur and Wolf 2021);
+- :mod:`vit_mnist.analysis.heads`: head ablation and gradient head importance (Michel et
+  al. 2019);
+- :mod:`vit_mnist.analysis.faithfulness`: the perturbation test of explanations;
 - :mod:`vit_mnist.analysis.per_class`: per-class metrics, confusion matrix, errors.
 
 Each function takes any :class:`~vit_mnist.models.vit.VisionTransformer` and any batch.
@@ -16,15 +19,21 @@ from vit_mnist.analysis.attention import (
     head_statistics,
     mean_attention_distance,
 )
-from vit_mnist.analysis.heads import head_importance, heads_zeroed
+from vit_mnist.analysis.faithfulness import explanation_maps, perturbation_test
+from vit_mnist.analysis.heads import gradient_head_importance, head_importance, heads_zeroed
+from vit_mnist.analysis.relevance import class_relevance
 
 __all__ = [
     "attention_entropy",
     "attention_report",
     "attention_rollout",
+    "class_relevance",
     "cls_attention",
+    "explanation_maps",
+    "gradient_head_importance",
     "head_importance",
     "head_statistics",
     "heads_zeroed",
     "mean_attention_distance",
+    "perturbation_test",
 ]

@@ -1,10 +1,10 @@
 """Which heads matter: a head's contribution removed exactly, the accuracy lost without
-each head (Michel, Levy and Neubig 2019, "Are Sixteen Heads Really Better than One?"),
-and its picture."""
+each head, the gradient head importance (Michel, Levy and Neubig 2019, "Are Sixteen Heads
+Really Better than One?", eq. 1 and 2), and its picture."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,6 +39,87 @@ def heads_zeroed(model: VisionTransformer, layer: int, heads: Sequence[int]):
         yield
     finally:
         handle.remove()
+
+
+def gradient_head_importance(
+    model: VisionTransformer,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Gradient head importance (Michel, Levy and Neubig 2019, eq. 2).
+
+    Each head's output is multiplied by a gate xi_h = 1 (eq. 1: ``MHAtt(x) =
+    sum_h xi_h Att_h(x)``, here head h's slice of the concatenated heads before ``W^O``,
+    ``attn.proj``, through a forward pre-hook, so the model is unchanged), and the
+    importance is the expected absolute gradient of the loss with respect to the gate,
+    ``I_h = E_x |dL(x)/d xi_h|`` (eq. 2). Since xi_h = 1, ``dL/d xi_h`` is the first-order
+    (Taylor) estimate of the loss change when the head is removed, with the sign dropped.
+
+    The expectation is taken per batch, not per example: one backward pass per batch gives
+    ``|dL_b/d xi|`` for the batch's mean cross-entropy ``L_b``, and the batches are
+    averaged weighted by their sizes, ``I = sum_b (n_b / N) |dL_b/d xi|``. By the
+    triangle inequality this is at most the per-example mean of eq. 2 (gradients of
+    opposite signs cancel within a batch) and it depends on the batch size; with batches
+    of one image it is eq. 2 exactly. No normalisation per layer (the paper's pruning
+    experiments divide by each layer's l2 norm; we keep the raw values so layers compare).
+
+    The model runs in eval mode with autocast off, in its parameters' dtype (float32 for a
+    trained model); its mode, and its device when
+    ``device`` moves it, are restored afterwards. Gradients are taken with
+    :func:`torch.autograd.grad` for the gates only: no parameter's ``.grad`` is touched.
+    Works whatever ``attention_impl`` the model was built with (the gate acts after the
+    attention, before ``W^O``).
+
+    Args:
+        model: a :class:`VisionTransformer`.
+        batches: an iterable of (images (B, C, H, W) float, labels (B,) int64), e.g. a
+            test DataLoader; tensors on any device.
+        device: where to compute; default the device of the model's parameters.
+
+    Returns:
+        (depth, heads) float32 on the CPU, >= 0, in units of loss (nats) per unit of gate.
+
+    Raises:
+        ValueError: ``batches`` yields no images.
+        RuntimeError: called inside :func:`torch.inference_mode`.
+    """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "gradient_head_importance needs gradients; call it outside torch.inference_mode"
+        )
+    home, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    device = torch.device(device) if device is not None else home
+    was_training = model.training
+    model.eval().to(device)
+    gate = torch.ones(model.depth, model.num_heads, device=device, dtype=dtype, requires_grad=True)
+    handles = []
+    for layer, block in enumerate(model.blocks):
+        d = block.attn.head_dim
+
+        def gated(module, inputs, layer=layer, d=d):
+            # (B, T, heads * d_k) * (heads * d_k,): head h's slice times xi_h.
+            return (inputs[0] * gate[layer].repeat_interleave(d).to(inputs[0].dtype),)
+
+        handles.append(block.attn.proj.register_forward_pre_hook(gated))
+    total = torch.zeros(model.depth, model.num_heads, dtype=torch.float64, device=device)
+    count = 0
+    try:
+        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            for images, labels in batches:
+                x = images.to(device, dtype)
+                y = labels.to(device)
+                loss = F.cross_entropy(model(x).float(), y)  # the batch's mean loss L_b
+                (grad,) = torch.autograd.grad(loss, gate)
+                total += grad.abs().double() * len(y)
+                count += len(y)
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training).to(home)
+    if count == 0:
+        raise ValueError("gradient_head_importance got no images: the batches are empty")
+    return (total / count).float().cpu()
 
 
 def head_importance(
