@@ -3,7 +3,9 @@
 python scripts/tensorboard_screenshot.py outputs/train/runs/<run> --out docs/tensorboard.png
 
 Starts TensorBoard on 127.0.0.1 (nothing leaves this machine), opens the Images tab
-filtered to the per-layer attention panels and the rollout, and saves a PNG.
+filtered to the per-layer attention panels and the rollout, and saves a PNG. The cards
+keep TensorBoard's default size (350 px wide, "Show actual image size" off) and the
+window its device scale factor 1, so the picture shows the labels as a user sees them.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = args.out.with_name(f".{args.out.name}.tmp.png")
         subprocess.run(
             [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+            + ["--force-device-scale-factor=1"]
             + [f"--window-size={args.size}", "--virtual-time-budget=20000"]
             + [f"--screenshot={tmp.resolve()}", page],
             check=True,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -51,9 +52,129 @@ def overlay(
     return (1 - alpha) * grey(images) + alpha * colorize(up[:, 0].cpu(), cmap)
 
 
+# ----------------------------------------------------------------------------- text
+
+#: TensorBoard shows an image scaled to the width of its card: 350 CSS px in the Images
+#: tab (``tf-image-loader``: ``:host { width: 350px }``, ``img { width: 100% }``) and at
+#: least 335 px in Time Series (``minmax(335px, 1fr)`` columns, less the card's padding).
+#: Labels are sized for a card this wide, a little narrower than both, so that they stay
+#: readable at TensorBoard's default card size.
+CARD_WIDTH = 320
+#: Height of a capital letter, in screen pixels, once the picture is CARD_WIDTH wide.
+CAP_HEIGHT = 10
+
+
 @lru_cache(maxsize=1)
-def _font() -> ImageFont.ImageFont:
+def _freetype() -> bool:
+    """Whether Pillow can scale its built-in font (FreeType, and Pillow >= 10.1)."""
+    try:
+        ImageFont.load_default(size=10)
+    except (ImportError, OSError, TypeError):
+        return False
+    return True
+
+
+def _bitmap_font() -> ImageFont.ImageFont:
+    # load_default() is the scalable font where FreeType is there (Pillow >= 10.1).
+    load = getattr(ImageFont, "load_default_imagefont", ImageFont.load_default)
+    return load()
+
+
+class _Font:
+    """Text of one size, measured and drawn the same way whatever the font.
+
+    With FreeType: Aileron Regular, Pillow's built-in scalable font (Pillow >= 10.1), at
+    ``size`` px. Without: Pillow's bitmap font (about 6 x 11 px) magnified ``size`` times.
+    """
+
+    def __init__(self, size: int, freetype: bool) -> None:
+        self.size, self.freetype = size, freetype
+        self.font = ImageFont.load_default(size=size) if freetype else _bitmap_font()
+        self.scale = 1 if freetype else size
+        # One line box for every text, from the top of the tallest glyph to the bottom of
+        # the lowest, so that labels side by side share a baseline.
+        _, self._top, right, bottom = self.font.getbbox("Hg(>|")
+        self.line_height = (bottom - self._top) * self.scale
+        # The ink of a capital H (a bitmap font's box is the whole character cell).
+        ink = Image.new("L", (right + 2, bottom + 2))
+        ImageDraw.Draw(ink).text((1, 1), "H", fill=255, font=self.font)
+        _, cap_top, _, cap_bottom = ink.getbbox() or (0, 0, 0, 0)
+        self.cap_height = (cap_bottom - cap_top) * self.scale
+        self.cap_middle = (cap_top - 1 - self._top) * self.scale + self.cap_height // 2
+
+    def width(self, text: str) -> int:
+        """Width in px of the ink of ``text``."""
+        if not text.strip():
+            return 0
+        left, _, right, _ = self.font.getbbox(text)
+        return (right - left) * self.scale
+
+    def draw(self, canvas: Image.Image, xy: tuple[int, int], text: str) -> None:
+        """Draw ``text`` in black, the top-left corner of its line box at ``xy``."""
+        if not text.strip():
+            return
+        left = self.font.getbbox(text)[0]
+        if self.freetype:
+            origin = (xy[0] - left, xy[1] - self._top)
+            ImageDraw.Draw(canvas).text(origin, text, fill="black", font=self.font)
+            return
+        mask = Image.new("L", (self.width(text) // self.scale, self.line_height // self.scale))
+        ImageDraw.Draw(mask).text((-left, -self._top), text, fill=255, font=self.font)
+        mask = mask.resize((mask.width * self.scale, mask.height * self.scale), Image.NEAREST)
+        canvas.paste((0, 0, 0), xy, mask)
+
+    def wrap(self, text: str, width: int) -> list[str]:
+        """``text`` broken at spaces into lines at most ``width`` px wide (but a word that is
+        wider than that stays whole)."""
+        lines: list[str] = []
+        for word in text.split():
+            if lines and self.width(f"{lines[-1]} {word}") <= width:
+                lines[-1] = f"{lines[-1]} {word}"
+            else:
+                lines.append(word)
+        return lines
+
+
+@lru_cache(maxsize=64)
+def _font_of_size(size: int, freetype: bool) -> _Font:
+    return _Font(size, freetype)
+
+
+def _font(cap_height: float) -> _Font:
+    """The smallest font whose capital letters are at least ``cap_height`` px high."""
+    freetype = _freetype()
+    size = max(1, math.floor(cap_height)) if freetype else 1
+    while _font_of_size(size, freetype).cap_height < cap_height:
+        size += 1
+    return _font_of_size(size, freetype)
+
+
+def _fitting(font: _Font, texts: Iterable[str], width: int) -> _Font:
+    """``font``, or the largest smaller one in which each of ``texts`` is at most ``width``
+    px wide (size 1 if none is)."""
+    widest = max(texts, key=font.width, default="")
+    size = font.size
+    while size > 1 and _font_of_size(size, font.freetype).width(widest) > width:
+        size -= 1
+    return _font_of_size(size, font.freetype)
+
+
+def _label_font(width: int, card_width: int) -> _Font:
+    """The font for the labels of a picture ``width`` px wide, readable once it is scaled
+    to ``card_width`` (capitals CAP_HEIGHT screen px high)."""
+    return _font(CAP_HEIGHT * max(width, card_width) / card_width)
+
+
+@lru_cache(maxsize=1)
+def _caption_font() -> ImageFont.ImageFont:
     return ImageFont.load_default()
+
+
+def _to_tensor(canvas: Image.Image) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(canvas).copy()).permute(2, 0, 1)
+
+
+# ----------------------------------------------------------------------------- grids
 
 
 def labelled_grid(
@@ -63,8 +184,15 @@ def labelled_grid(
     col_labels: Sequence[str],
     title: str = "",
     zoom: int = 3,
+    card_width: int = CARD_WIDTH,
 ) -> torch.Tensor:
     """Lay out (rows, cols, 3, H, W) tiles as one picture with readable labels.
+
+    The labels are sized to the whole picture: once it is scaled down to ``card_width``
+    px wide (as TensorBoard shows it in a card), capital letters are still
+    :data:`CAP_HEIGHT` px high. Column labels wider than their tiles are set smaller, to
+    fit (with zoom 3, labels like ``7>1`` keep the full size up to about 10 columns); the
+    title wraps onto more lines. Empty labels take no room.
 
     Returns:
         (3, height, width) uint8, ready for ``SummaryWriter.add_image``.
@@ -73,18 +201,38 @@ def labelled_grid(
     tiles = F.interpolate(tiles.flatten(0, 1), scale_factor=zoom, mode="nearest")
     grid = make_grid(tiles, nrow=cols, padding=2, pad_value=1.0)  # (3, H, W)
     body = Image.fromarray((grid.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
-    left, top = 8 + 6 * max((len(s) for s in row_labels), default=0), 14 + (14 if title else 0)
-    canvas = Image.new("RGB", (body.width + left, body.height + top), "white")
-    canvas.paste(body, (left, top))
-    draw = ImageDraw.Draw(canvas)
-    if title:
-        draw.text((4, 2), title, fill="black", font=_font())
     tile_h, tile_w = (body.height - 2) // rows, (body.width - 2) // cols
+
+    # The row labels widen the picture, which asks for a larger font: grow both until the
+    # font is large enough for the width it makes.
+    font = _label_font(body.width, card_width)
+    while True:
+        pad = max(2, font.cap_height // 3)
+        row_width = max(map(font.width, row_labels), default=0)
+        left = 2 * pad + row_width if row_width else 0
+        width = body.width + left
+        needed = _label_font(width, card_width)
+        if needed.size <= font.size:
+            break
+        font = needed
+    col_font = _fitting(font, col_labels, tile_w - 2)
+    title_font = _fitting(font, title.split(), width - 2 * pad)
+    title_lines = title_font.wrap(title, width - 2 * pad)
+    title_h = len(title_lines) * title_font.line_height + pad if title_lines else 0
+    col_h = col_font.line_height + pad if any(s.strip() for s in col_labels) else 0
+    top = pad + title_h + col_h if title_h or col_h else 0
+
+    canvas = Image.new("RGB", (width, body.height + top), "white")
+    canvas.paste(body, (left, top))
+    for i, line in enumerate(title_lines):
+        title_font.draw(canvas, (pad, pad + i * title_font.line_height), line)
     for r, text in enumerate(row_labels):
-        draw.text((4, top + 2 + r * tile_h + tile_h // 2 - 5), text, fill="black", font=_font())
+        y = top + 2 + r * tile_h + (tile_h - 2) // 2 - font.cap_middle  # capitals centred
+        font.draw(canvas, (pad, y), text)
     for c, text in enumerate(col_labels):
-        draw.text((left + 4 + c * tile_w, top - 12), text, fill="black", font=_font())
-    return torch.from_numpy(np.asarray(canvas).copy()).permute(2, 0, 1)
+        x = left + 2 + c * tile_w + (tile_w - 2 - col_font.width(text)) // 2
+        col_font.draw(canvas, (x, top - col_h), text)
+    return _to_tensor(canvas)
 
 
 def captioned_grid(
@@ -92,7 +240,9 @@ def captioned_grid(
 ) -> torch.Tensor:
     """Lay out (N, 3, H, W) tiles in rows of ``cols``, each with a caption above it.
 
-    Cells after the last tile stay white, so the picture holds exactly N tiles.
+    Cells after the last tile stay white, so the picture holds exactly N tiles. The text
+    keeps Pillow's small default font (about 11 px): with 20 columns, as in
+    ``misclassified.png``, a caption cannot be readable at TensorBoard's card size anyway.
 
     Returns:
         (3, height, width) uint8.
@@ -104,13 +254,13 @@ def captioned_grid(
     canvas = Image.new("RGB", (cols * cell_w, top + rows * cell_h), "white")
     draw = ImageDraw.Draw(canvas)
     if title:
-        draw.text((4, 2), title, fill="black", font=_font())
+        draw.text((4, 2), title, fill="black", font=_caption_font())
     big = F.interpolate(tiles.float(), scale_factor=zoom, mode="nearest")
     pixels = (big.clamp(0, 1).permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
     for i in range(n):
         r, c = divmod(i, cols)
         x, y = c * cell_w + 2, top + r * cell_h
-        draw.text((x, y + 1), captions[i], fill="black", font=_font())
+        draw.text((x, y + 1), captions[i], fill="black", font=_caption_font())
         canvas.paste(Image.fromarray(pixels[i]), (x, y + 13))
     return torch.from_numpy(np.asarray(canvas).copy()).permute(2, 0, 1)
 

@@ -1,0 +1,124 @@
+"""The labelled pictures: labels readable once TensorBoard scales the picture to its card."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vit_mnist import drawing
+from vit_mnist.drawing import CAP_HEIGHT, CARD_WIDTH, captioned_grid, labelled_grid
+
+RED = torch.tensor([1.0, 0.0, 0.0])[:, None, None]
+
+
+def red_tiles(*shape: int) -> torch.Tensor:
+    return RED.expand(*shape, 3, 28, 28).clone()
+
+
+def ink(picture: torch.Tensor) -> torch.Tensor:
+    """(H, W) bool: the dark pixels of the text (tiles here are red, the rest white)."""
+    return (picture < 100).all(dim=0)
+
+
+def red(picture: torch.Tensor) -> torch.Tensor:
+    return (picture[0] > 200) & (picture[1] < 50) & (picture[2] < 50)
+
+
+def extent(mask: torch.Tensor, dim: int) -> tuple[int, int]:
+    """First and last index along ``dim`` of (H, W) where ``mask`` has a True."""
+    idx = torch.nonzero(mask.any(dim=1 - dim)).flatten()
+    return int(idx[0]), int(idx[-1])
+
+
+def runs(mask_1d: torch.Tensor) -> list[tuple[int, int]]:
+    """Runs of True in a 1-d bool tensor, as (first, last) pairs."""
+    edges = torch.diff(torch.cat([torch.zeros(1), mask_1d.float(), torch.zeros(1)]))
+    starts = torch.nonzero(edges == 1).flatten().tolist()
+    ends = torch.nonzero(edges == -1).flatten().tolist()
+    return [(a, b - 1) for a, b in zip(starts, ends, strict=True)]
+
+
+@pytest.fixture(params=[True, False], ids=["freetype", "bitmap"])
+def font_kind(request, monkeypatch):
+    """Both fonts: Pillow's scalable one, and the magnified bitmap font without FreeType."""
+    if request.param and not drawing._freetype():
+        pytest.skip("Pillow has no FreeType here")
+    monkeypatch.setattr(drawing, "_freetype", lambda: request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("cols", [1, 8, 16])
+def test_labels_readable_at_card_width_and_off_the_tiles(font_kind, cols):
+    rows, zoom = 4, 3
+    picture = labelled_grid(
+        red_tiles(rows, cols),
+        row_labels=[f"head {h}" for h in range(rows)],
+        col_labels=[f"{c % 10}>{(c + 3) % 10}" for c in range(cols)],
+        title="layer 0: CLS attention per head (true>predicted)",
+        zoom=zoom,
+    )
+    assert picture.dtype == torch.uint8 and picture.dim() == 3 and picture.shape[0] == 3
+    width = picture.shape[2]
+    # Every tile pixel is there, and no text was drawn over the tiles or between them.
+    is_red = red(picture)
+    assert int(is_red.sum()) == rows * cols * (28 * zoom) ** 2
+    (y0, y1), (x0, x1) = extent(is_red, 0), extent(is_red, 1)
+    assert not ink(picture)[y0 : y1 + 1, x0 : x1 + 1].any()
+
+    # Row labels, left of the tiles: each "head N" is as tall as a capital letter at least
+    # (h and d rise above it), CAP_HEIGHT px once the picture is CARD_WIDTH px wide.
+    row_ink = ink(picture)[:, :x0]
+    tile_rows = runs(is_red.any(dim=1))
+    assert len(tile_rows) == rows
+    for top, bottom in tile_rows:
+        first, last = extent(row_ink[top : bottom + 1], 0)  # the label beside this row
+        assert (last - first + 1) * CARD_WIDTH / width >= CAP_HEIGHT
+
+    # Column labels, between the title and the tiles, each inside its own tile's columns;
+    # as tall as capitals up to 8 columns (with 16, "0>3" is wider than a tile at that size).
+    tile_cols = runs(is_red.any(dim=0))
+    assert len(tile_cols) == cols
+    band = ink(picture)[:y0]
+    first, last = runs(band[:, x0:].any(dim=1))[-1]  # the lowest line of text above the tiles
+    if cols <= 8:
+        assert (last - first + 1) * CARD_WIDTH / width >= CAP_HEIGHT
+    for left, right in runs(band[first : last + 1].any(dim=0)):
+        assert any(a <= left and right <= b for a, b in tile_cols), (left, right)
+
+
+def test_long_column_labels_shrink_to_their_tiles():
+    names = ["Ankle boot>T-shirt/top", "Pullover>Sneaker", "Bag>Dress"]
+    picture = labelled_grid(red_tiles(2, 3), row_labels=["a", "b"], col_labels=names)
+    is_red = red(picture)
+    y0 = extent(is_red, 0)[0]
+    tile_cols = runs(is_red.any(dim=0))
+    words = runs(ink(picture)[:y0].any(dim=0))
+    # Each label's ink (gaps between its words included) stays above its own tile.
+    for c, (a, b) in enumerate(tile_cols):
+        inside = [(lo, hi) for lo, hi in words if a <= lo and hi <= b]
+        assert inside, names[c]
+    assert all(any(a <= lo and hi <= b for a, b in tile_cols) for lo, hi in words)
+
+
+def test_empty_labels_add_no_margin():
+    tiles = red_tiles(1, 3)
+    picture = labelled_grid(tiles, row_labels=[""], col_labels=["", "", ""])
+    zoom = 3
+    assert picture.shape == (3, 28 * zoom + 4, 3 * (28 * zoom + 2) + 2)
+    assert not ink(picture).any()
+
+
+def test_captioned_grid_holds_exactly_n_tiles_under_their_captions():
+    n, cols, zoom = 23, 10, 3
+    captions = [f"{i % 10}>{(i + 1) % 10} 87%" for i in range(n)]
+    picture = captioned_grid(red_tiles(n), captions, cols=cols, title="23 misclassified")
+    assert picture.dtype == torch.uint8
+    assert picture.shape == (3, 16 + 3 * (28 * zoom + 14), cols * (28 * zoom + 4))
+    is_red = red(picture)
+    assert int(is_red.sum()) == n * (28 * zoom) ** 2
+    tile_rows = runs(is_red.any(dim=1))
+    assert len(tile_rows) == 3  # the last row holds 3 tiles, then white cells
+    assert len(runs(is_red[tile_rows[-1][0]])) == n - 2 * cols
+    for top, bottom in tile_rows:
+        assert not ink(picture)[top : bottom + 1].any()
+        assert ink(picture)[top - 12 : top].any()  # the captions
