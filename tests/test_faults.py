@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, TINY_MODEL
-from vit_mnist.checkpointing import AtomicCheckpointIO, read_checkpoint
+from vit_mnist.checkpointing import AtomicCheckpointIO, read_checkpoint, resolve_latest
 from vit_mnist.errors import CheckpointError, ConfigError, DataError, NonFiniteLossError
 from vit_mnist.train import train
 
@@ -280,3 +280,49 @@ def test_resumed_run_equals_uninterrupted_run(make_train_cfg, tmp_path):
     )
     for key in ("test/acc", "test/loss", "val/acc_best", "global_steps", "epochs"):
         assert resumed[key] == full[key], key
+    # Resuming the finished run trains nothing: an error, not a copy of its metrics.
+    finished = Path(resumed["best_ckpt"]).with_name("last.ckpt")
+    again = make_train_cfg(
+        "trainer.max_epochs=3", f"ckpt_path={finished}", output_dir=tmp_path / "again"
+    )
+    with pytest.raises(ConfigError, match="no training step ran.*max_epochs=3"):
+        train(again)
+    assert not (tmp_path / "again" / "metrics.json").exists()
+
+
+def fake_checkpoint(path: Path, mtime: float, **model: int) -> Path:
+    """A file that read_checkpoint accepts, with the given model arguments stored."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    args = {"embed_dim": 32, "depth": 2, "num_heads": 2, "patch_size": 7, **model}
+    torch.save({"state_dict": {}, "global_step": 5, "hyper_parameters": {"model": args}}, path)
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_latest_is_the_newest_checkpoint_of_the_same_model(tmp_path):
+    mine = fake_checkpoint(tmp_path / "a" / "last.ckpt", 1000, attention_impl="explicit")
+    fake_checkpoint(tmp_path / "b" / "last.ckpt", 2000, embed_dim=64, num_heads=4)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "last.ckpt").write_text("not a checkpoint")  # newest, unreadable
+    model = {"embed_dim": 32, "depth": 2, "num_heads": 2, "patch_size": 7}
+    # attention_impl does not change the model; a key only one side has is a default.
+    assert resolve_latest("latest", tmp_path, "last.ckpt", {**model, "causal": False}) == mine
+    assert resolve_latest("latest", tmp_path, "last.ckpt") == tmp_path / "c" / "last.ckpt"
+    with pytest.raises(CheckpointError, match=r"model.depth: 2 \(checkpoint\) vs 3 \(config\)"):
+        resolve_latest("latest", tmp_path, "last.ckpt", {**model, "depth": 3})
+
+
+def test_resuming_another_models_checkpoint_is_one_line_naming_both(make_train_cfg, tmp_path):
+    ckpt = fake_checkpoint(tmp_path / "other" / "last.ckpt", 1000, embed_dim=64, num_heads=4)
+    with pytest.raises(ConfigError) as error:
+        train(make_train_cfg(f"ckpt_path={ckpt}"))
+    message = str(error.value)
+    assert "model.embed_dim: 64 (checkpoint) vs 32 (config)" in message
+    assert "model.num_heads: 4 (checkpoint) vs 2 (config)" in message
+    assert "\n" not in message
+
+
+def test_a_run_that_trains_no_step_is_an_error(make_train_cfg, tmp_path):
+    with pytest.raises(ConfigError, match="no training step ran.*limit_train_batches=0"):
+        train(make_train_cfg("trainer.limit_train_batches=0"))
+    assert not (tmp_path / "train" / "metrics.json").exists()

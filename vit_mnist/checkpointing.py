@@ -39,27 +39,75 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_write_bytes(Path(path), buffer.getvalue())
 
 
-def find_latest(log_dir: str | Path, pattern: str) -> Path | None:
-    """The most recently modified file matching ``pattern`` anywhere under ``log_dir``."""
-    found = [p for p in Path(log_dir).rglob(pattern) if p.is_file()]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+# Model arguments that change neither the parameters nor the function computed: explicit
+# and fused attention compute the same thing; `compile` was a model key in older versions.
+_NOT_MODEL_IDENTITY = frozenset({"attention_impl", "compile"})
 
 
-def resolve_latest(value: str | Path, log_dir: str | Path, pattern: str) -> Path:
+def model_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """The model arguments that differ between a checkpoint and a config, as
+    ``"model.KEY: STORED (checkpoint) vs WANTED (config)"``; empty when they match.
+
+    A key that only one side has (an argument added or removed since the checkpoint
+    was written) is not a difference: its default applies.
+    """
+    keys = sorted((stored.keys() & wanted.keys()) - _NOT_MODEL_IDENTITY)
+    return [
+        f"model.{k}: {stored[k]} (checkpoint) vs {wanted[k]} (config)"
+        for k in keys
+        if stored[k] != wanted[k]
+    ]
+
+
+def resolve_latest(
+    value: str | Path, log_dir: str | Path, pattern: str, model: dict[str, Any] | None = None
+) -> Path:
     """``value`` as a path, or for ``"latest"`` the newest ``pattern`` under ``log_dir``.
 
+    With ``model`` (the config's model arguments), ``latest`` is the newest checkpoint
+    whose stored model arguments match them (:func:`model_differences`), so that a run
+    is never continued from another model's checkpoint; unreadable files are passed over.
+
     Raises:
-        CheckpointError: ``latest`` was asked for and nothing matches.
+        CheckpointError: ``latest`` was asked for and nothing (nothing of this model)
+            matches; the message names the newest candidate and how it differs.
     """
     if str(value) != "latest":
         return Path(value)
-    latest = find_latest(log_dir, pattern)
-    if latest is None:
+    found = sorted(
+        (p for p in Path(log_dir).rglob(pattern) if p.is_file()),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    if not found:
         raise CheckpointError(
             f"ckpt_path=latest: no {pattern} under {log_dir}; train first or give a path"
         )
-    log.info("ckpt_path=latest -> %s", latest)
-    return latest
+    if model is None:
+        log.info("ckpt_path=latest -> %s", found[0])
+        return found[0]
+    newest_differences: list[str] | None = None
+    for path in found:
+        try:
+            stored = read_checkpoint(path)["hyper_parameters"]["model"]
+        except CheckpointError:
+            continue
+        differences = model_differences(stored, model)
+        if not differences:
+            log.info("ckpt_path=latest -> %s", path)
+            return path
+        if newest_differences is None:
+            newest_differences = [str(path), *differences]
+    detail = (
+        f"the newest, {newest_differences[0]}, differs in {'; '.join(newest_differences[1:])}"
+        if newest_differences
+        else "none of them can be read"
+    )
+    raise CheckpointError(
+        f"ckpt_path=latest: none of the {len(found)} {pattern} under {log_dir} was trained "
+        f"with this model ({detail}); give ckpt_path=PATH, or the model settings it was "
+        "trained with, or leave ckpt_path out to start a new run"
+    )
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vit_mnist.callbacks.throughput import TrainThroughput
 from vit_mnist.checkpointing import (
+    model_differences,
     read_checkpoint,
     resolve_latest,
 )
@@ -174,9 +175,19 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """
     check_config(cfg)
     ckpt_path = cfg.get("ckpt_path")
+    start_step = 0
     if ckpt_path is not None:
-        ckpt_path = resolve_latest(ckpt_path, cfg.paths.log_dir, "last.ckpt")
-        read_checkpoint(ckpt_path)  # a clear error for a missing or foreign file
+        model_args = _resolved(cfg.model)
+        ckpt_path = resolve_latest(ckpt_path, cfg.paths.log_dir, "last.ckpt", model_args)
+        ckpt = read_checkpoint(ckpt_path)  # a clear error for a missing or foreign file
+        differences = model_differences(ckpt["hyper_parameters"]["model"], model_args)
+        if differences:
+            raise ConfigError(
+                f"ckpt_path={ckpt_path} was trained with another model: "
+                f"{'; '.join(differences)}. Resume it with its own model settings, or leave "
+                "ckpt_path out to start a new run"
+            )
+        start_step = int(ckpt.get("global_step", 0))
     L.seed_everything(cfg.seed, workers=True)
     output_dir = Path(cfg.paths.output_dir)
 
@@ -231,6 +242,20 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     train_time_s = time.perf_counter() - start
+    if trainer.global_step <= start_step and not trainer.interrupted:
+        # Nothing trained: metrics.json would describe a run that did not happen.
+        raise ConfigError(
+            f"no training step ran (global step {trainer.global_step}"
+            + (f", as in {ckpt_path}" if ckpt_path else "")
+            + "): "
+            + (
+                f"the checkpoint already reached trainer.max_epochs={cfg.trainer.max_epochs}; "
+                "raise it to train on"
+                if ckpt_path
+                else f"trainer.limit_train_batches={cfg.trainer.get('limit_train_batches')} "
+                "or the data leave no batch to train on"
+            )
+        )
     fit_metrics = {
         k: v for k, v in trainer.callback_metrics.items() if k.startswith(("train/", "val/"))
     }
