@@ -65,6 +65,8 @@ def test_train_cli_with_user_overrides_then_eval(tmp_path):
         "trainer.max_epochs=1",
         "data.batch_size=256",
         "seed=7",
+        "speed.path=handwritten",  # auto's timing of the paths has tests of its own
+        "trainer.precision=32-true",
         f"hydra.run.dir={run_dir}",
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from tests.conftest import compose_config
+from tests.test_train import check_run
 from vit_mnist.analysis.heads import heads_zeroed
 from vit_mnist.checkpointing import resolve_ckpt_path
 from vit_mnist.evaluate import evaluate
@@ -44,6 +45,8 @@ def synthetic_ckpt(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("synthetic_run")
     overrides = ["data=synthetic", "trainer=cpu", "trainer.max_epochs=1", *TINY_MODEL]
+    # A fixed path and precision: timing them (speed.path=auto) has tests of its own.
+    overrides += ["speed.path=handwritten", "trainer.precision=32-true"]
     metrics = train(compose_config("train", overrides, out))
     return Path(metrics["best_ckpt"]), metrics
 
@@ -188,10 +191,14 @@ def test_real_mnist_eval_and_prediction_on_saved_images(mnist_dir, tmp_path):
     cfg = compose_config(
         "train",
         ["trainer=cpu", "trainer.max_epochs=3", "model.depth=3", "model.embed_dim=48"]
-        + ["module.lr=3e-3", "module.warmup_epochs=0.5"],
+        + ["module.lr=3e-3", "module.warmup_epochs=0.5"]
+        + ["speed.path=handwritten", "trainer.precision=32-true"],  # not timed: see test_speed
         tmp_path / "train",
     )
     metrics = train(cfg)
+    # The whole pipeline on real data: run dir, metrics.json, TensorBoard scalars.
+    check_run(tmp_path / "train", metrics, epochs=3)
+    assert metrics["dataset"] == "mnist" and metrics["data_source"]
     assert metrics["test/acc"] > 0.9
 
     eval_cfg = compose_config("eval", ["ckpt_path=" + metrics["best_ckpt"]], tmp_path / "eval")
