@@ -220,3 +220,19 @@ def test_console_prints_each_line_once_without_tips_and_names_the_speed_path(tmp
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [0, 1, 2]
+
+
+def test_ctrl_c_while_starting_up_is_one_line(monkeypatch, capsys):
+    # The imports of torch and Lightning take seconds; Ctrl-C then was an 81-line traceback.
+    from vit_mnist import cli
+
+    def interrupted(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.importlib, "import_module", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        cli._start("train")
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err.strip() == (
+        "Interrupted while starting up: nothing was run or written."
+    )

@@ -14,9 +14,14 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, TINY_MODEL
-from vit_mnist.checkpointing import AtomicCheckpointIO, read_checkpoint, resolve_latest
-from vit_mnist.errors import CheckpointError, ConfigError, DataError, NonFiniteLossError
-from vit_mnist.train import train
+from vit_mnist.checkpointing import (
+    AtomicCheckpointIO,
+    read_checkpoint,
+    resolve_latest,
+    resume_command,
+)
+from vit_mnist.errors import CheckpointError, ConfigError, DataError
+from vit_mnist.train import main, train
 
 # Long enough to interrupt: 4096 images in batches of 64 = 64 steps an epoch.
 SLOW = [
@@ -103,7 +108,9 @@ def test_interrupt_saves_last_and_prints_resume_command(tmp_path, sig, status):
     saved = read_checkpoint(ckpt)
     assert 10 <= saved["global_step"] < 3 * STEPS_PER_EPOCH
     assert shown.count("Resume with:") == 1
-    assert f"ckpt_path={ckpt}" in shown and "python train.py" in shown
+    # The program as it was started, here by its full path.
+    assert f"ckpt_path={ckpt}" in shown and f"python {ROOT / 'train.py'} " in shown
+    assert "weights_only" not in shown  # no note that reads like an unsafe load
     assert "data.num_train=4096" in shown  # the same overrides as the interrupted run
 
 
@@ -135,6 +142,16 @@ def test_interrupt_before_the_restore_leaves_the_resumed_checkpoint_untouched(
     shown = stdout + stderr
     assert "before training started: nothing saved" in shown
     assert f"ckpt_path={last}" in shown  # the command as given, to run again
+
+
+@pytest.mark.parametrize(
+    ("argv0", "program"),
+    [("train.py", "python train.py"), ("/opt/venv/bin/vit-mnist-train", "vit-mnist-train")],
+)
+def test_resume_command_names_the_program_the_user_started(monkeypatch, argv0, program):
+    # A vit-mnist-train user in another folder has no train.py to run.
+    monkeypatch.setattr(sys, "argv", [argv0])
+    assert resume_command(Path("c/last.ckpt")) == f"{program} ckpt_path=c/last.ckpt"
 
 
 def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path):
@@ -227,15 +244,22 @@ def test_unknown_dataset_is_one_clear_error(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(make_train_cfg):
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(make_train_cfg, capsys, monkeypatch):
     cfg = make_train_cfg(
         "callbacks.last_checkpoint.every_n_train_steps=2",
         "+callbacks.poison._target_=tests.helpers.PoisonBatch",
         "+callbacks.poison.at_step=5",
     )
-    with pytest.raises(NonFiniteLossError) as info:
-        train(cfg)
-    message = str(info.value)
+    # As on a terminal, the progress bar (stdout) and the error (stderr) share one stream.
+    monkeypatch.setattr(sys, "stderr", sys.stdout)
+    with pytest.raises(SystemExit) as exit_info:
+        main(cfg)  # as the command line runs it: the progress bar on, exit status 2
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().out.split("\n")  # "\r" (a new bar frame) ends no line
+    # The error starts a line of its own, not glued to the progress bar's last frame.
+    error = [line for line in lines if "error: " in line]
+    assert len(error) == 1 and error[0].startswith("error: "), error
+    message = error[0]
     assert "at step 5" in message and "learning rate" in message
     last = read_checkpoint(Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt")
     assert last["global_step"] == 4

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import logging
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -190,7 +191,8 @@ def checkpoint_datamodule(
 
 
 def resume_command(ckpt: Path | None) -> str:
-    """The command line that resumes this run from ``ckpt``: same overrides, new ckpt_path.
+    """The command line that resumes this run from ``ckpt``: the same program as the user
+    started (``python train.py`` or ``vit-mnist-train``), the same overrides, a new ckpt_path.
 
     With ``ckpt=None``: the command as it was given, ``ckpt_path`` included.
     """
@@ -203,4 +205,13 @@ def resume_command(ckpt: Path | None) -> str:
     if ckpt is not None:
         overrides = [o for o in overrides if not o.startswith("ckpt_path=")]
         overrides.append(f"ckpt_path={ckpt}")
-    return shlex.join(["python", "train.py", *overrides])
+    return shlex.join([*_this_program(), *overrides])
+
+
+def _this_program() -> list[str]:
+    """How the user started this program: ``python train.py`` (as typed, with its folder)
+    or a console script such as ``vit-mnist-train``, which works from any folder."""
+    program = sys.argv[0] if sys.argv and sys.argv[0] else "train.py"
+    if program.endswith(".py"):
+        return ["python", program]
+    return [Path(program).name]

@@ -9,6 +9,9 @@ go under the current directory (``paths.root_dir``), exactly as with ``python tr
 
 from __future__ import annotations
 
+import importlib
+import sys
+from types import ModuleType
 from typing import Any
 
 import hydra
@@ -17,41 +20,41 @@ from omegaconf import DictConfig
 CONFIG_PATH = "pkg://vit_mnist.configs"
 
 
+def _start(task: str) -> ModuleType:
+    """Import ``vit_mnist.<task>`` (torch, Lightning: seconds) and quiet the console.
+
+    Ctrl-C during these imports ends the program with one line and status 130 (128 +
+    SIGINT), not a traceback through the importers: nothing has been run or written yet.
+    """
+    try:
+        module = importlib.import_module(f"vit_mnist.{task}")
+        from vit_mnist.console import quiet_console
+    except KeyboardInterrupt:
+        print("\nInterrupted while starting up: nothing was run or written.", file=sys.stderr)
+        raise SystemExit(130) from None
+    quiet_console()
+    return module
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="train")
 def train(cfg: DictConfig) -> dict[str, Any]:
     """``vit-mnist-train [overrides]`` = ``python train.py [overrides]``."""
-    import vit_mnist.train
-    from vit_mnist.console import quiet_console
-
-    quiet_console()
-    return vit_mnist.train.main(cfg)
+    return _start("train").main(cfg)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="eval")
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """``vit-mnist-eval ckpt_path=PATH`` = ``python eval.py ckpt_path=PATH``."""
-    import vit_mnist.evaluate
-    from vit_mnist.console import quiet_console
-
-    quiet_console()
-    return vit_mnist.evaluate.main(cfg)
+    return _start("evaluate").main(cfg)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="predict")
 def predict(cfg: DictConfig) -> Any:
     """``vit-mnist-predict ckpt_path=PATH images=[a.png]`` = ``python scripts/predict.py ...``."""
-    import vit_mnist.predict
-    from vit_mnist.console import quiet_console
-
-    quiet_console()
-    return vit_mnist.predict.main(cfg)
+    return _start("predict").main(cfg)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="export")
 def export(cfg: DictConfig) -> Any:
     """``vit-mnist-export ckpt_path=PATH format=onnx`` = ``python scripts/export.py ...``."""
-    import vit_mnist.export
-    from vit_mnist.console import quiet_console
-
-    quiet_console()
-    return vit_mnist.export.main(cfg)
+    return _start("export").main(cfg)

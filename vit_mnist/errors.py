@@ -57,7 +57,10 @@ def exit_on_user_error(func: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             # One line on stderr; logging it too would print it twice on the console.
             log.debug("user error", exc_info=True)
-            print(f"error: {cause}", file=sys.stderr)
+            # A non-finite loss stops training mid-epoch, where the progress bar's line has
+            # no newline yet: start the error on a line of its own.
+            fresh = "\n" if isinstance(cause, NonFiniteLossError) else ""
+            print(f"{fresh}error: {cause}", file=sys.stderr)
             raise SystemExit(2) from None
 
     return wrapper

@@ -53,7 +53,9 @@ class SaveOnInterrupt(L.Callback):
         if folder is None:
             folder = Path(trainer.default_root_dir) / "checkpoints"
         path = folder / "last.ckpt"
-        trainer.save_checkpoint(path)
+        # A full checkpoint (optimizer, loops, callbacks) is what resuming needs; saying so
+        # also spares Lightning's note that weights_only defaulted to False.
+        trainer.save_checkpoint(path, weights_only=False)
         message = (
             f"{what} at epoch {trainer.current_epoch}, step {trainer.global_step}: saved {path}\n"
             f"Resume with:\n  {resume_command(path)}"
