@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from vit_mnist.results import find_runs, group_rows, heads_plot, markdown_table
+from vit_mnist.results import find_failed, find_runs, group_rows, heads_plot, markdown_table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     table = markdown_table(rows)
+    failed = find_failed(args.run_dirs)
+    if failed:
+        table += f"\n{len(failed)} failed job(s), not in the table:\n\n"
+        table += "".join(f"- `{run_dir}`: {message}\n" for run_dir, message in failed)
     if args.out:
         args.out.write_text(table)
     else:

@@ -158,25 +158,38 @@ def test_every_package_is_installed():
     assert listed == found
 
 
-def test_multirun_without_a_sweep_dir_writes_under_outputs(tmp_path):
-    """`python train.py -m ...` as typed: the sweep dir comes from configs/hydra."""
+def test_multirun_writes_under_outputs_and_survives_a_bad_job(tmp_path, capsys):
+    """`python train.py -m ...` as typed: the sweep dir comes from configs/hydra, and a job
+    with an impossible setting (3 heads do not divide embed_dim 32) fails alone."""
     result = run(
         "train.py",
         "-m",
-        "model.num_heads=2,4",
+        "model.num_heads=3,2,4",
         "data=synthetic",
         "trainer=cpu",
         "trainer.max_epochs=1",
         "~callbacks.progress_bar",
+        "speed.path=handwritten",
+        "trainer.precision=32-true",
         *[o for o in TINY_MODEL if not o.startswith("model.num_heads")],
         cwd=tmp_path,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 1, result.stderr[-3000:]
     (sweep,) = (tmp_path / "outputs" / "train" / "multiruns").iterdir()
+    failed = json.loads((sweep / "0" / "failed.json").read_text())
+    assert failed["type"] == "ConfigError" and "num_heads=3" in failed["error"]
+    assert not (sweep / "0" / "metrics.json").exists()
     assert sorted(
         json.loads((sweep / j / "metrics.json").read_text())["model"]["num_heads"]
-        for j in ("0", "1")
+        for j in ("1", "2")
     ) == [2, 4]
+    assert "1 job(s) of the sweep failed" in result.stderr and "Traceback" not in result.stderr
+    # The results table lists the failed job beside the runs that finished.
+    from scripts.results import main as results_main
+
+    assert results_main([str(sweep)]) == 0
+    table = capsys.readouterr().out
+    assert "1 failed job(s)" in table and "num_heads=3" in table
 
 
 def test_console_prints_each_line_once_without_tips_and_names_the_speed_path(tmp_path):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Callable
+from functools import wraps
 from types import ModuleType
 from typing import Any
 
@@ -18,6 +20,25 @@ import hydra
 from omegaconf import DictConfig
 
 CONFIG_PATH = "pkg://vit_mnist.configs"
+
+
+def _exits_1_after_failed_jobs(main: Callable[[], Any]) -> Callable[[], Any]:
+    """Exit status 1 after a multirun in which a job stopped on a user error (each such
+    job wrote ``failed.json`` and the others ran: :func:`vit_mnist.errors.exit_on_user_error`)."""
+
+    @wraps(main)
+    def wrapper() -> Any:
+        result = main()
+        from vit_mnist.errors import FAILED_JOBS
+
+        if FAILED_JOBS:
+            print(f"{len(FAILED_JOBS)} job(s) of the sweep failed:", file=sys.stderr)
+            for job_dir, message in FAILED_JOBS:
+                print(f"  {job_dir}: {message}", file=sys.stderr)
+            raise SystemExit(1)
+        return result
+
+    return wrapper
 
 
 def _start(task: str) -> ModuleType:
@@ -36,24 +57,28 @@ def _start(task: str) -> ModuleType:
     return module
 
 
+@_exits_1_after_failed_jobs
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="train")
 def train(cfg: DictConfig) -> dict[str, Any]:
     """``vit-mnist-train [overrides]`` = ``python train.py [overrides]``."""
     return _start("train").main(cfg)
 
 
+@_exits_1_after_failed_jobs
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="eval")
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """``vit-mnist-eval ckpt_path=PATH`` = ``python eval.py ckpt_path=PATH``."""
     return _start("evaluate").main(cfg)
 
 
+@_exits_1_after_failed_jobs
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="predict")
 def predict(cfg: DictConfig) -> Any:
     """``vit-mnist-predict ckpt_path=PATH images=[a.png]`` = ``python scripts/predict.py ...``."""
     return _start("predict").main(cfg)
 
 
+@_exits_1_after_failed_jobs
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="export")
 def export(cfg: DictConfig) -> Any:
     """``vit-mnist-export ckpt_path=PATH format=onnx`` = ``python scripts/export.py ...``."""

@@ -3,10 +3,12 @@ decorator that turns them into that line and exit status 2."""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from collections.abc import Callable
 from functools import wraps
+from pathlib import Path
 from typing import Any
 
 from hydra.errors import InstantiationException
@@ -40,8 +42,30 @@ class NonFiniteLossError(RuntimeError):
 USER_ERRORS = (ConfigError, DataError, CheckpointError, NonFiniteLossError)
 
 
+# The jobs of this process's Hydra multirun that stopped on a user error, as
+# (run dir, message): the command line exits 1 after the sweep when any did.
+FAILED_JOBS: list[tuple[str, str]] = []
+
+FAILED_FILE = "failed.json"
+
+
+def _multirun_job_dir() -> str | None:
+    """The run dir of the current Hydra multirun job, or None outside a multirun."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    config = HydraConfig.get()
+    return config.runtime.output_dir if config.mode == RunMode.MULTIRUN else None
+
+
 def exit_on_user_error(func: Callable[..., Any]) -> Callable[..., Any]:
     """Turn a :data:`USER_ERRORS` exception into one line on stderr and exit status 2.
+
+    Inside a Hydra multirun (``-m``) the job does not exit: the line is printed, the
+    error is written to ``<run dir>/failed.json`` (``error``, ``type``) and added to
+    :data:`FAILED_JOBS`, and the sweep goes on with its next job.
 
     Any other exception keeps its traceback: that is a bug to report, not bad input.
     """
@@ -60,7 +84,18 @@ def exit_on_user_error(func: Callable[..., Any]) -> Callable[..., Any]:
             # A non-finite loss stops training mid-epoch, where the progress bar's line has
             # no newline yet: start the error on a line of its own.
             fresh = "\n" if isinstance(cause, NonFiniteLossError) else ""
-            print(f"{fresh}error: {cause}", file=sys.stderr)
-            raise SystemExit(2) from None
+            job_dir = _multirun_job_dir()
+            if job_dir is None:
+                print(f"{fresh}error: {cause}", file=sys.stderr)
+                raise SystemExit(2) from None
+            from vit_mnist.io import atomic_write_bytes
+
+            record = {"error": str(cause), "type": type(cause).__name__}
+            atomic_write_bytes(
+                Path(job_dir) / FAILED_FILE, (json.dumps(record, indent=2) + "\n").encode()
+            )
+            FAILED_JOBS.append((job_dir, str(cause)))
+            print(f"{fresh}error in job {job_dir}: {cause} (the sweep goes on)", file=sys.stderr)
+            return None
 
     return wrapper

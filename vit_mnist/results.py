@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from vit_mnist.errors import FAILED_FILE
+
 DATASET_NAMES = {"mnist": "MNIST", "fashion_mnist": "Fashion-MNIST", "synthetic": "synthetic"}
 
 
@@ -114,6 +116,20 @@ def find_runs(paths: Iterable[str | Path]) -> list[Run]:
     if not runs:
         raise FileNotFoundError(f"no training run (metrics.json + .hydra/) under {list(paths)}")
     return runs
+
+
+def find_failed(paths: Iterable[str | Path]) -> list[tuple[Path, str]]:
+    """The jobs at or under ``paths`` that stopped on an error (``failed.json`` in their run
+    dir, written by a multirun job that failed), as (run dir, error message), by path."""
+    failed = []
+    for root in map(Path, paths):
+        for record in sorted(root.rglob(FAILED_FILE)) if root.exists() else []:
+            try:
+                message = json.loads(record.read_text()).get("error", "")
+            except (OSError, ValueError):
+                message = "failed.json cannot be read"
+            failed.append((record.parent, message))
+    return failed
 
 
 def group_rows(runs: Iterable[Run]) -> list[Row]:
