@@ -108,6 +108,23 @@ def _check_data_dir(data_dir: str, folder: str = "MNIST") -> None:
         )
 
 
+def _check_model_fits_data(model: dict[str, Any], datamodule_cls: type) -> None:
+    """The model's classes, channels and image size are the dataset's."""
+    name = getattr(datamodule_cls, "name", datamodule_cls.__name__)
+    channels, height, width = getattr(datamodule_cls, "image_shape", (None, None, None))
+    wanted = {
+        "num_classes": getattr(datamodule_cls, "num_classes", None),
+        "in_chans": channels,
+        "img_size": height if height == width else None,
+    }
+    for key, value in wanted.items():
+        if value is not None and key in model and model[key] != value:
+            raise ConfigError(
+                f"model.{key}={model[key]} does not fit the data: {name} has {value} "
+                f"({key}); set model.{key}={value} or choose another data="
+            )
+
+
 def check_config(cfg: DictConfig) -> None:
     """Fail fast, before any data is read or a model is built, on settings that cannot work.
 
@@ -117,6 +134,10 @@ def check_config(cfg: DictConfig) -> None:
     Raises:
         ConfigError: one line naming the key, the value and what would be valid.
     """
+    seed = cfg.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        # seed_everything would truncate 1.5 to 1 while metrics.json recorded 1.5.
+        raise ConfigError(f"seed={seed!r} must be a whole number from 0 to 2**32 - 1, e.g. seed=1")
     model = _resolved(cfg.model)
     if "compile" in model:
         raise ConfigError(
@@ -132,14 +153,15 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"data.num_workers={data.num_workers} must be >= 0")
     if data.get("augment"):
         BatchAugment(**_resolved(data.augment))  # raises ConfigError on bad ranges
+    try:
+        datamodule_cls = hydra.utils.get_class(data._target_)
+    except Exception as e:  # noqa: BLE001 - Hydra raises several types for a bad path
+        raise ConfigError(
+            f"data._target_={data._target_} cannot be imported ({e}); "
+            "use data=mnist, data=fashion_mnist or data=synthetic"
+        ) from None
+    _check_model_fits_data(model, datamodule_cls)
     if data.get("data_dir") is not None:
-        try:
-            datamodule_cls = hydra.utils.get_class(data._target_)
-        except Exception as e:  # noqa: BLE001 - Hydra raises several types for a bad path
-            raise ConfigError(
-                f"data._target_={data._target_} cannot be imported ({e}); "
-                "use data=mnist, data=fashion_mnist or data=synthetic"
-            ) from None
         _check_data_dir(str(data.data_dir), getattr(datamodule_cls, "folder", "MNIST"))
     check_module_args(**_resolved(cfg.module))
     _positive_int("trainer.max_epochs", cfg.trainer.get("max_epochs"))

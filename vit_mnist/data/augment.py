@@ -35,7 +35,7 @@ class BatchRandomAffine(nn.Module):
     Shapes: (batch, channels, H, W) float -> same shape and dtype.
 
     Raises:
-        ConfigError: negative ``degrees`` or ``translate``, or a non-positive or
+        ConfigError: negative ``degrees``, ``translate`` outside [0, 1], or a non-positive or
             reversed ``scale`` range.
     """
 
@@ -50,9 +50,12 @@ class BatchRandomAffine(nn.Module):
     ) -> None:
         super().__init__()
         self.hflip = bool(hflip)
-        if degrees < 0 or translate < 0:
+        if degrees < 0 or not 0 <= translate <= 1:
+            # translate is a fraction of the image size, as in torchvision's RandomAffine:
+            # translate=2 would shift digits out of the picture.
             raise ConfigError(
-                f"augment.degrees={degrees} and augment.translate={translate} must be >= 0"
+                f"augment.degrees={degrees} must be >= 0 and augment.translate={translate} a "
+                "fraction of the image size in [0, 1] (e.g. 0.1)"
             )
         lo, hi = scale
         if not 0 < lo <= hi:

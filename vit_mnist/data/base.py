@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms.v2 import functional as TF
 
 from vit_mnist.data.augment import BatchAugment
+from vit_mnist.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,13 @@ class InMemoryDataModule(L.LightningDataModule):
     def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__}.setup() has not been called")
+        if shuffle and self.batch_size > len(dataset):
+            # The loader would serve one short batch, and metrics.json would record a batch
+            # size that never ran.
+            raise ConfigError(
+                f"data.batch_size={self.batch_size} is larger than the {len(dataset)} "
+                f"training images of {self.name}; use data.batch_size={len(dataset)} or less"
+            )
         batched = isinstance(dataset, ImageTensorDataset)
         on_gpu = batched and dataset.tensors[0].device.type == "cuda"
         # Worker processes cannot share CUDA tensors; pinning is for host memory only.
