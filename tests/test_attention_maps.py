@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from vit_mnist.analysis.attention import (
@@ -16,6 +19,7 @@ from vit_mnist.analysis.attention import (
     cls_attention,
     mean_attention_distance,
 )
+from vit_mnist.analysis.relevance import class_relevance
 from vit_mnist.models import VisionTransformer
 from vit_mnist.train import train
 
@@ -94,9 +98,26 @@ def test_causal_maps_have_nothing_above_the_diagonal():
     assert (attention_rollout(report.weights)[:, above] == 0).all()
 
 
+def tile_rows(picture: torch.Tensor, cols: int, rows: int, tile: int = 84) -> list[torch.Tensor]:
+    """The rows of tiles of a ``labelled_grid`` picture (the grid is its bottom right)."""
+    body = picture[:, -(tile + 2) * rows - 2 :, -(tile + 2) * cols - 2 :]
+    return [body[:, 2 + r * (tile + 2) : (r + 1) * (tile + 2)] for r in range(rows)]
+
+
 def test_report_shapes_and_training_mode_restored():
     model = VisionTransformer(**TINY, dropout=0.1).train()
-    report = attention_report(model, torch.randn(3, 1, 28, 28), torch.tensor([1, 2, 3]))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    images = torch.randn(3, 1, 28, 28)
+    report = attention_report(model, images, torch.tensor([1, 2, 3]))
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+    # Two rows: the rollout as without relevance, then the predicted class's relevance.
+    plain = attention_report(model, images, relevance=False).rollout
+    assert report.relevance.shape == (3, 4, 4)
+    torch.testing.assert_close(report.relevance, class_relevance(model, images)[0])
+    rollout_row, relevance_row = tile_rows(report.rollout, 3, 2)
+    assert torch.equal(rollout_row, tile_rows(plain, 3, 1)[0])
+    assert not torch.equal(rollout_row, relevance_row)
     assert model.training
     assert len(report.layer_grids) == 3 and len(report.matrices) == 3
     for grid in report.layer_grids:
@@ -119,6 +140,8 @@ def test_callback_logs_every_layer_and_head(make_train_cfg, extra):
         acc.Reload()
         for tag in acc.Tags()["images"]:
             images[tag] = images.get(tag, 0) + len(acc.Images(tag))
+            if tag == "rollout":
+                rollout_png = acc.Images(tag)[-1].encoded_image_string
         for tag in acc.Tags()["scalars"]:
             scalars[tag] = scalars.get(tag, 0) + len(acc.Scalars(tag))
     epochs = 2  # logged after each epoch; the end of fitting adds nothing new
@@ -129,6 +152,12 @@ def test_callback_logs_every_layer_and_head(make_train_cfg, extra):
             assert scalars[f"attention_entropy/layer_{layer}/head_{head}"] == epochs
             assert scalars[f"attention_distance/layer_{layer}/head_{head}"] == epochs
     assert images["rollout"] == epochs
+    # The rollout picture's second row is the relevance, computed inside fit; causal: the
+    # CLS token sees only itself, and both rows are the same constant 0 map.
+    with Image.open(io.BytesIO(rollout_png)) as picture:
+        rollout = torch.from_numpy(np.array(picture.convert("RGB"))).permute(2, 0, 1)
+    rows = tile_rows(rollout, 8, 2)
+    assert torch.equal(rows[0], rows[1]) == bool(extra)
     assert "attention/layer_2" not in images
 
     # The README's picture is made from these event files.
@@ -136,7 +165,5 @@ def test_callback_logs_every_layer_and_head(make_train_cfg, extra):
 
     out = Path(cfg.paths.output_dir) / "attention.png"
     assert make_figure([cfg.paths.output_dir, "--out", str(out)]) == 0
-    from PIL import Image
-
     with Image.open(out) as picture:
         assert picture.width > 200 and picture.height > 200

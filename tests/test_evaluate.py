@@ -39,6 +39,21 @@ def count_tiles(png: Path, n_cols: int = 20) -> int:
     return count
 
 
+def has_tile_grid(png: Path, rows: int, cols: int, tile: int = 84) -> bool:
+    """Whether a ``labelled_grid`` picture holds exactly rows x cols tiles: each cell not
+    plain white, and white just outside the grid (where one more row or column would be)."""
+    a = np.asarray(Image.open(png).convert("L"))
+    body = a[-(tile + 2) * rows - 3 :, -(tile + 2) * cols - 3 :]
+    cells = [
+        body[3 + r * (tile + 2) : 3 + r * (tile + 2) + tile, 3 + c * (tile + 2) :][:, :tile]
+        for r in range(rows)
+        for c in range(cols)
+    ]
+    return bool((body[0] == 255).all() and (body[:, 0] == 255).all()) and all(
+        (cell < 255).any() for cell in cells
+    )
+
+
 @pytest.fixture(scope="module")
 def synthetic_ckpt(tmp_path_factory):
     from tests.conftest import TINY_MODEL
@@ -66,6 +81,10 @@ def test_eval_writes_every_report(synthetic_ckpt, tmp_path):
     errors = 128 - int(cm.trace())
     assert metrics["num_misclassified"] == metrics["misclassified_tiles"] == errors
     assert count_tiles(tmp_path / "misclassified.png") == errors
+    # Columns: the first 16 errors; rows: input, relevance of the true and predicted class.
+    assert 0 < metrics["misclassified_relevance_columns"] == min(16, errors)
+    assert has_tile_grid(tmp_path / "misclassified_relevance.png", 3, min(16, errors))
+    assert not has_tile_grid(tmp_path / "misclassified_relevance.png", 3, min(16, errors) - 1)
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
@@ -129,7 +148,11 @@ def test_faithfulness_analysis(synthetic_ckpt, tmp_path):
         acc = EventAccumulator(str(events), size_guidance={"images": 0, "scalars": 0})
         acc.Reload()
         tags |= set(acc.Tags()["images"]) | set(acc.Tags()["scalars"])
-    assert {"faithfulness", "faithfulness/relevance/positive_auc"} <= tags
+    assert {
+        "faithfulness",
+        "faithfulness/relevance/positive_auc",
+        "misclassified_relevance",
+    } <= tags
     with pytest.raises(ValueError, match="analysis='nonsense' is unknown"):
         evaluate(compose_config("eval", [*overrides[:2], "analysis=nonsense"], tmp_path / "x"))
 

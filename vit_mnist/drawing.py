@@ -190,9 +190,9 @@ def labelled_grid(
 
     The labels are sized to the whole picture: once it is scaled down to ``card_width``
     px wide (as TensorBoard shows it in a card), capital letters are still
-    :data:`CAP_HEIGHT` px high. Column labels wider than their tiles are set smaller, to
-    fit (with zoom 3, labels like ``7>1`` keep the full size up to about 10 columns); the
-    title wraps onto more lines. Empty labels take no room.
+    :data:`CAP_HEIGHT` px high. Column labels wider than their tiles (less a gap) are set
+    smaller, to fit (with zoom 3, labels like ``7>1`` keep the full size up to about 10
+    columns); the title wraps onto more lines. Empty labels take no room.
 
     Returns:
         (3, height, width) uint8, ready for ``SummaryWriter.add_image``.
@@ -215,7 +215,9 @@ def labelled_grid(
         if needed.size <= font.size:
             break
         font = needed
-    col_font = _fitting(font, col_labels, tile_w - 2)
+    # A gap of an eighth of a tile between neighbouring labels, so that "6>1" "5>8" set
+    # as wide as their tiles do not read as one "6>15>8".
+    col_font = _fitting(font, col_labels, tile_w - 2 - tile_w // 8)
     title_font = _fitting(font, title.split(), width - 2 * pad)
     title_lines = title_font.wrap(title, width - 2 * pad)
     title_h = len(title_lines) * title_font.line_height + pad if title_lines else 0

@@ -28,6 +28,7 @@ from vit_mnist.analysis.per_class import (
     class_report,
     confusion_matrix_figure,
     misclassified_grid,
+    misclassified_relevance_grid,
     predict,
 )
 from vit_mnist.checkpointing import checkpoint_datamodule, read_checkpoint, resolve_ckpt_path
@@ -58,9 +59,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     CPU first, so a checkpoint trained on a GPU evaluates anywhere.
 
     Writes ``metrics.json`` (overall and per-class metrics, the confusion matrix),
-    ``per_class.csv``, ``confusion_matrix.png``, ``misclassified.png`` and TensorBoard
-    events; with ``analysis=heads`` also ``head_importance.csv`` (ablation and gradient
-    head importance) and ``head_importance.png``; with ``analysis=faithfulness``
+    ``per_class.csv``, ``confusion_matrix.png``, ``misclassified.png``,
+    ``misclassified_relevance.png`` (class relevance of the true and the predicted class
+    for the first 16 errors; not written when there are none) and TensorBoard events;
+    with ``analysis=heads`` also ``head_importance.csv`` (ablation and gradient head
+    importance) and ``head_importance.png``; with ``analysis=faithfulness``
     ``faithfulness.csv`` and ``faithfulness.png`` (the perturbation test).
 
     Returns:
@@ -106,12 +109,19 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     cm_figure = confusion_matrix_figure(cm, class_names, f"{dataset} test set, {ckpt_path.name}")
     grid, num_tiles = misclassified_grid(images, logits, labels, class_names)
     save_png(grid, out / "misclassified.png")
+    relevance_grid, relevance_columns = misclassified_relevance_grid(
+        module.net, images, logits, labels, class_names
+    )
+    if relevance_grid is not None:
+        save_png(relevance_grid, out / "misclassified_relevance.png")
     writer = next(
         (lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None
     )
     if writer is not None:
         writer.add_figure("confusion_matrix", cm_figure, close=False)
         writer.add_image("misclassified", grid)
+        if relevance_grid is not None:
+            writer.add_image("misclassified_relevance", relevance_grid)
         for r in rows:
             for key in ("accuracy", "precision", "recall"):
                 writer.add_scalar(f"test_per_class/{key}/{r['name']}", r[key])
@@ -122,6 +132,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "num_test_images": len(labels),
         "num_misclassified": int((logits.argmax(1) != labels).sum()),
         "misclassified_tiles": num_tiles,
+        "misclassified_relevance_columns": relevance_columns,
         "per_class": {
             r["name"]: {k: r[k] for k in ("support", "accuracy", "precision", "recall")}
             for r in rows

@@ -1,6 +1,6 @@
 """Predict digits in a person's own images (PNG, JPEG, BMP, WebP; any size) with a trained
-checkpoint: files, folders and glob patterns in; per image an attention picture, and one
-``predictions.csv`` for all of them, out."""
+checkpoint: files, folders and glob patterns in; per image an attention picture (heads,
+rollout, class relevance), and one ``predictions.csv`` for all of them, out."""
 
 from __future__ import annotations
 
@@ -289,9 +289,12 @@ def predict_images(
 
     For ``<stem>.png`` it writes ``<out_dir>/<stem>_28x28.png`` (the model's input, white
     ink on black) and ``<out_dir>/<stem>_attention.png`` (the input, then the CLS attention
-    of each head of the last layer, then the rollout); stems that two paths share are
-    made distinct by :func:`output_stems`. The images are read and predicted
-    ``batch_size`` at a time, so memory does not grow with their number.
+    of each head of the last layer, the rollout, and the class relevance map of the
+    predicted class, Chefer et al. 2021, labelled ``relevance: <class>``); stems that two
+    paths share are made distinct by :func:`output_stems`. The images are read and
+    predicted ``batch_size`` at a time, so memory does not grow with their number; the
+    relevance maps take one forward and backward pass per batch (gradients with respect
+    to the attention weights only, despite the ``no_grad`` around the rest).
 
     Args:
         module: a trained :class:`ViTClassifier`.
@@ -365,12 +368,13 @@ def _predict_batch(
         return results
     x = torch.stack(inputs)  # (N, 1, 28, 28) in [0, 1]
     model = module.net
-    report = attention_report(model, (x - mean) / std)
+    report = attention_report(model, (x - mean) / std)  # relevance of the predicted classes
     probs = report.logits.softmax(dim=1)
     names = list(class_names or map(str, range(probs.shape[1])))
     grid = model.patch_embed.grid_size
     last = cls_attention(report.weights[-1], grid)  # (N, heads, g, g)
     rollout = cls_attention(attention_rollout(report.weights), grid)  # (N, g, g)
+    explained = report.logits.argmax(dim=1).tolist()  # the classes report.relevance explains
     heads = last.shape[1]
     out_dir.mkdir(parents=True, exist_ok=True)
     for i, (result, stem) in enumerate(zip(good, good_stems, strict=True)):
@@ -382,13 +386,15 @@ def _predict_batch(
                 grey(image),
                 overlay(image.expand(heads, -1, -1, -1), last[i]),
                 overlay(image, rollout[i : i + 1]),
+                overlay(image, report.relevance[i : i + 1]),
             ]
         )[None]
         best, confidence = result.top[0]
         picture = labelled_grid(
             tiles,
             row_labels=[""],
-            col_labels=["input"] + [f"head {h}" for h in range(heads)] + ["rollout"],
+            col_labels=["input", *(f"head {h}" for h in range(heads)), "rollout"]
+            + [f"relevance: {names[explained[i]]}"],
             title=f"{result.path.name}: {best} ({100 * confidence:.1f}%), last layer",
         )
         save_png((grey(image)[0] * 255).round().to(torch.uint8), out_dir / f"{stem}_28x28.png")

@@ -17,6 +17,7 @@ from functools import lru_cache
 import torch
 from einops import rearrange
 
+from vit_mnist.analysis.relevance import class_relevance
 from vit_mnist.drawing import colorize, labelled_grid, overlay
 from vit_mnist.models.vit import VisionTransformer
 
@@ -153,12 +154,15 @@ class AttentionReport:
             columns, the CLS token's attention overlaid on each image.
         matrices: ``matrices[layer][head]`` is the (3, T, T) uint8 token-by-token
             attention matrix of the first image, T = 1 + patches.
-        rollout: (3, H, W) uint8 picture: attention rollout overlaid on each image.
+        rollout: (3, H, W) uint8 picture: attention rollout overlaid on each image; with
+            ``relevance=True`` a second row, the class relevance map of the predicted class.
         entropy: ``entropy[layer]`` is a (heads,) tensor in nats.
         distance: ``distance[layer]`` is a (heads,) tensor of mean attention distance
             in pixels.
         weights: the raw weights, one (batch, heads, T, T) float tensor per layer.
         logits: (batch, num_classes) float32, from the same forward pass.
+        relevance: (batch, grid, grid) float32 class relevance maps (Chefer et al. 2021)
+            of the predicted classes, or None when not asked for.
     """
 
     layer_grids: list[torch.Tensor] = field(default_factory=list)
@@ -168,6 +172,7 @@ class AttentionReport:
     distance: list[torch.Tensor] = field(default_factory=list)
     weights: list[torch.Tensor] = field(default_factory=list)
     logits: torch.Tensor | None = None
+    relevance: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -178,12 +183,15 @@ def attention_report(
     *,
     class_names: Sequence[str] | None = None,
     zoom: int = 3,
+    relevance: bool = True,
 ) -> AttentionReport:
     """Run ``model`` on ``images`` through the explicit attention path and draw what it sees.
 
     The model is put in eval mode for the call (no dropout) and restored afterwards; no
     gradients are kept. Works whatever ``attention_impl`` the model was built with, and
-    with causal attention.
+    with causal attention. With ``relevance`` one more forward and backward pass gives the
+    class relevance of the predicted classes (:func:`class_relevance`: gradients with
+    respect to the attention weights only, no parameter's ``.grad`` is touched).
 
     Args:
         model: a :class:`VisionTransformer`.
@@ -191,10 +199,19 @@ def attention_report(
         labels: N labels shown above the columns (true classes, or any text).
         class_names: names for integer labels (e.g. Fashion-MNIST's).
         zoom: magnification of each 28 x 28 tile in the pictures.
+        relevance: also compute the relevance maps and draw them under the rollout.
 
     Returns:
         An :class:`AttentionReport`.
+
+    Raises:
+        RuntimeError: ``relevance`` inside :func:`torch.inference_mode` (no gradients).
     """
+    if relevance and torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "attention_report(relevance=True) needs gradients; call it outside "
+            "torch.inference_mode, or pass relevance=False"
+        )
     was_training = model.training
     model.eval()
     try:
@@ -243,11 +260,15 @@ def attention_report(
             mean_attention_distance(w, grid_size=grid_size, patch_size=patch_size)
         )
     rollout_maps = cls_attention(attention_rollout(weights), grid_size)  # (N, g, g)
+    rows, row_labels = [overlay(images, rollout_maps)], ["rollout"]
+    title = "attention rollout (Abnar and Zuidema 2020), true>predicted"
+    if relevance:
+        # The classes of the forward pass above, so the row explains the label's ">7".
+        report.relevance, _ = class_relevance(model, images, logits.argmax(dim=-1).cpu())
+        rows.append(overlay(images, report.relevance))
+        row_labels.append("relevance")
+        title = "rollout and relevance of the predicted class (Chefer et al. 2021), true>predicted"
     report.rollout = labelled_grid(
-        overlay(images, rollout_maps)[None],
-        row_labels=["rollout"],
-        col_labels=col_labels,
-        title="attention rollout (Abnar and Zuidema 2020), true>predicted",
-        zoom=zoom,
+        torch.stack(rows), row_labels=row_labels, col_labels=col_labels, title=title, zoom=zoom
     )
     return report

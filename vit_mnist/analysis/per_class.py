@@ -1,5 +1,5 @@
 """Per-class results of a trained model: predictions, accuracy, precision and recall per
-class, the confusion matrix, and a picture of the misclassified images."""
+class, the confusion matrix, and pictures of the misclassified images."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from torchmetrics.functional.classification import (
     multiclass_recall,
 )
 
-from vit_mnist.drawing import captioned_grid, grey
+from vit_mnist.analysis.relevance import class_relevance
+from vit_mnist.drawing import captioned_grid, grey, labelled_grid, overlay
+from vit_mnist.models.vit import VisionTransformer
 
 
 def predict(
@@ -122,3 +124,49 @@ def misclassified_grid(
     if not len(wrong):
         return captioned_grid(torch.ones(0, 3, *images.shape[-2:]), [], cols=cols, title=title), 0
     return captioned_grid(grey(images[wrong]), captions, cols=cols, title=title), len(wrong)
+
+
+def misclassified_relevance_grid(
+    model: VisionTransformer,
+    images: torch.Tensor,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    class_names: Sequence[str],
+    *,
+    max_images: int = 16,
+) -> tuple[torch.Tensor | None, int]:
+    """What speaks for the true and for the predicted class in the misclassified images.
+
+    Columns: the first ``max_images`` misclassified images in dataset order, labelled
+    ``true>predicted``; rows: the input, the class relevance map (Chefer et al. 2021) of
+    the true class and that of the predicted class, each overlaid on the image and scaled
+    to its own range. Takes two forward and backward passes on those images.
+
+    Args:
+        model: the :class:`VisionTransformer` that gave ``logits``.
+        images: (N, 1, H, W) float, as the model takes them, in the order of ``logits``.
+        logits: (N, C); labels: (N,).
+
+    Returns:
+        (3, height, width) uint8 picture and its number of columns; (None, 0) when no
+        image is misclassified.
+    """
+    preds = logits.argmax(dim=1)
+    wrong = torch.nonzero(preds != labels).flatten()
+    total = len(wrong)
+    wrong = wrong[:max_images]
+    if not len(wrong):
+        return None, 0
+    x, true, pred = images[wrong].float(), labels[wrong], preds[wrong]
+    for_true, _ = class_relevance(model, x, true)
+    for_pred, _ = class_relevance(model, x, pred)
+    tiles = torch.stack([grey(x), overlay(x, for_true), overlay(x, for_pred)])
+    shown = f"the first {len(wrong)} of {total}" if total > len(wrong) else f"all {total}"
+    picture = labelled_grid(
+        tiles,
+        row_labels=["input", "true class", "predicted"],
+        col_labels=[f"{class_names[t]}>{class_names[p]}" for t, p in zip(true, pred, strict=True)],
+        title=f"class relevance (Chefer et al. 2021) of the true and the predicted class, "
+        f"{shown} misclassified test images (true>predicted)",
+    )
+    return picture, len(wrong)

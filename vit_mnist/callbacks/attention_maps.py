@@ -1,4 +1,5 @@
-"""Log per-head attention maps, rollout and head statistics to TensorBoard during training."""
+"""Log per-head attention maps, rollout, class relevance and head statistics to TensorBoard
+during training."""
 
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ class AttentionMapLogger(L.Callback):
     class where possible), then the next ones, ``num_images`` in all; the validation set
     is not shuffled, so it is the same panel every epoch and every run.
 
-    The maps come from the explicit attention path, in eval mode, without gradients, on
-    the panel only, after the validation epoch: the training step keeps whatever
-    attention implementation was configured and pays nothing.
+    The maps come from the explicit attention path, in eval mode, on the panel only, after
+    the validation epoch: the training step keeps whatever attention implementation was
+    configured and pays nothing. The relevance row takes one forward and backward pass on
+    the panel, with gradients enabled (outside inference mode) but taken with respect to
+    the attention weights only: no parameter's ``.grad`` and no optimizer state is touched.
 
     TensorBoard tags (L = layer, H = head, both from 0):
 
@@ -34,7 +37,8 @@ class AttentionMapLogger(L.Callback):
       token's attention over the patches overlaid on each digit; labels ``true>predicted``.
     - ``attention_matrix/layer_L/head_H``: image; the token-by-token attention matrix
       (row = query, column = key, token 0 = CLS) of the first panel image.
-    - ``rollout``: image; attention rollout overlaid on each panel image.
+    - ``rollout``: image; two rows, attention rollout and the class relevance of the
+      predicted class (Chefer et al. 2021), overlaid on each panel image.
     - ``attention_entropy/layer_L/head_H``: scalar, nats, averaged over query tokens and
       panel images.
     - ``attention_distance/layer_L/head_H``: scalar, mean attention distance in pixels.
@@ -95,13 +99,16 @@ class AttentionMapLogger(L.Callback):
             self._panel = self._select_panel(trainer)
         images, labels = self._panel
         datamodule = getattr(trainer, "datamodule", None)
-        report = attention_report(
-            getattr(pl_module, "net", pl_module),
-            images,
-            labels,
-            class_names=getattr(datamodule, "class_names", None),
-            zoom=self.zoom,
-        )
+        # The relevance maps need gradients: Lightning's fit loop validates under no_grad
+        # (trainer.validate under inference mode); the panel may have been stacked in there.
+        with torch.inference_mode(False):
+            report = attention_report(
+                getattr(pl_module, "net", pl_module),
+                images.clone(),
+                labels,
+                class_names=getattr(datamodule, "class_names", None),
+                zoom=self.zoom,
+            )
         for layer, grid in enumerate(report.layer_grids):
             writer.add_image(f"attention/layer_{layer}", grid, step)
             for head, matrix in enumerate(report.matrices[layer]):
