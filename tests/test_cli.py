@@ -126,7 +126,8 @@ def test_console_script_trains_like_train_py(tmp_path):
     run_dir = tmp_path / "run"
     result = subprocess.run(
         [str(console_script("vit-mnist-train")), "data=synthetic", "trainer=cpu"]
-        + ["trainer.max_epochs=1", *TINY_MODEL, f"hydra.run.dir={run_dir}"],
+        + ["trainer.max_epochs=1", *TINY_MODEL, f"hydra.run.dir={run_dir}"]
+        + ["speed.path=handwritten", "trainer.precision=32-true"],  # auto is timed elsewhere
         cwd=tmp_path,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
         capture_output=True,

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import csv
 import logging
-import os
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -18,7 +15,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from tests.conftest import ROOT, TINY_MODEL, compose_config
+from tests.conftest import TINY_MODEL, compose_config
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
 from vit_mnist.predict import (
     CSV_COLUMNS,
@@ -200,32 +197,24 @@ def test_batches_match_one_pass_and_stems_stay_distinct(tiny_ckpt, tmp_path):
     assert len({s.casefold() for s in stems}) == len(stems), stems
 
 
-def test_script_on_a_folder_of_200_pngs_writes_200_rows(tiny_ckpt, tmp_path):
+def test_a_folder_of_200_pngs_gives_200_rows(tiny_ckpt, tmp_path, capsys):
+    # `python scripts/predict.py ckpt_path=... images=<folder>` without the process start-up
+    # (the command line itself is tested in tests/test_cli.py).
     folder = tmp_path / "digits200"
     for i in range(200):
         draw_digit(folder / f"digit_{i:03d}.png", seed=i, size=32)
     run_dir = tmp_path / "run"
-    # PYTHONPATH: the vit_mnist of this checkout, not whichever one is pip-installed.
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/predict.py"), f"ckpt_path={tiny_ckpt}"]
-        + [f"images={folder}", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": pythonpath},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = list(csv.DictReader((run_dir / "predictions.csv").open()))
+    code, rows = predict(tiny_ckpt, str(folder), run_dir)
+    assert code == 0
     assert len(rows) == 200
     assert [r["path"] for r in rows] == [str(p) for p in sorted(folder.iterdir())]
     assert all(r["error"] == "" and TOP3.match(r["top3"]) for r in rows)
     assert len(list(run_dir.glob("*_attention.png"))) == 200
     # A summary instead of 200 lines.
-    assert "200 of 200 images predicted" in result.stdout
-    assert f"predictions: {run_dir / 'predictions.csv'}" in result.stdout
-    assert len(result.stdout.strip().splitlines()) <= 3, result.stdout
+    out = capsys.readouterr().out
+    assert "200 of 200 images predicted" in out
+    assert f"predictions: {run_dir / 'predictions.csv'}" in out
+    assert len(out.strip().splitlines()) <= 3, out
 
 
 def _digit_seven(size: int = 60) -> np.ndarray:
