@@ -172,3 +172,14 @@ def test_on_device_keeps_the_dataset_on_the_gpu(make_train_cfg):
     assert dm.data_train.tensors[0].device.type == "cuda"
     x, y = next(iter(dm.train_dataloader()))
     assert x.device.type == "cuda" and y.device.type == "cuda" and x.dtype == torch.float32
+
+
+def test_an_uncreatable_data_dir_points_to_paths_data_dir(tmp_path):
+    # eval.py builds its data from the checkpoint: `data.data_dir` is no key there, while
+    # `paths.data_dir` works for train.py and eval.py alike.
+    from vit_mnist.data.sources import ensure_mnist
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(DataError, match=r"cannot be created .*paths\.data_dir=PATH"):
+        ensure_mnist(blocker / "data")

@@ -104,7 +104,7 @@ def _check_data_dir(data_dir: str, folder: str = "MNIST") -> None:
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(
             f"data.data_dir={data_dir} cannot be written ({existing} is not a writable "
-            f"folder) and holds no {folder} yet; choose a writable folder with data.data_dir=PATH"
+            f"folder) and holds no {folder} yet; choose a writable folder with paths.data_dir=PATH"
         )
 
 

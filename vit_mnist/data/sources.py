@@ -318,7 +318,10 @@ def _ensure(root, download, *, folder, md5, offline, offline_name, offline_sourc
     try:
         Path(root).mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DataError(f"data directory {root} cannot be created ({e}); set data.data_dir") from e
+        raise DataError(
+            f"data directory {root} cannot be created ({e}); "
+            "choose another with paths.data_dir=PATH"
+        ) from e
     try:
         log.info("%s: files missing under %s, trying torchvision's download", folder, raw)
         _torchvision_download(root, folder)
