@@ -16,7 +16,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
-from vit_mnist.errors import CheckpointError
+from vit_mnist.errors import CheckpointError, WriteError
 from vit_mnist.io import atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"{type(self).__name__} takes no storage_options")
         buffer = io.BytesIO()
         torch.save(checkpoint, buffer)
-        atomic_write_bytes(Path(path), buffer.getvalue())
+        path = Path(path)
+        try:
+            atomic_write_bytes(path, buffer.getvalue())
+        except WriteError as e:
+            last = path.with_name("last.ckpt")
+            hint = f" Make room, then resume: {resume_command(last)}" if last.is_file() else ""
+            error = WriteError(f"{e}.{hint}")
+            error.errno = e.errno
+            raise error from e
 
 
 # Model arguments that change neither the parameters nor the function computed: explicit

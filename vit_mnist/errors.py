@@ -34,12 +34,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint path that is missing, unreadable or not a checkpoint of this project."""
 
 
+class WriteError(OSError):
+    """A file that cannot be written (full disk, no permission); the message names it and
+    says that the previous file, if there was one, is kept."""
+
+
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite; the message names the step and the LR."""
 
 
 # Errors whose message is the whole story: the command line prints one line, exits 2.
-USER_ERRORS = (ConfigError, DataError, CheckpointError, NonFiniteLossError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, NonFiniteLossError, WriteError)
 
 
 # The jobs of this process's Hydra multirun that stopped on a user error, as

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from vit_mnist.errors import WriteError
+
 log = logging.getLogger(__name__)
 
 
@@ -38,21 +40,30 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     or checkpoint stays readable by the others it was meant for.
 
     Raises:
-        OSError: the folder cannot be created or written (full disk, no permission); the
-            temporary file is removed and an earlier ``path`` is left as it was.
+        WriteError: (an ``OSError``) the folder cannot be created or written (full disk, no
+            permission); the message names ``path``. The temporary file is removed and an
+            earlier ``path`` is left as it was.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_current_umask())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and not isinstance(e, WriteError):
+            kept = "the previous file is kept" if path.exists() else "nothing was written"
+            reason = e.strerror or str(e)
+            error = WriteError(f"cannot write {path}: {reason}; {kept}")
+            error.errno = e.errno
+            raise error from e
         raise
 
 
