@@ -13,12 +13,16 @@ _IGNORED_WARNINGS = (
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\."),
     # The model summary counts bf16 parameters at 32 bits; the parameter count is exact.
     (r"Precision bf16-mixed is not supported by the model summary", r"lightning\.pytorch\."),
-    # Epochs shorter than log_every_n_steps: ViTClassifier.on_train_start lowers the
-    # interval to the epoch's length, so train/loss is logged anyway.
+    # Epochs shorter than log_every_n_steps: ViTClassifier.on_train_start then logs every
+    # step, so train/loss is logged anyway.
     (
         r"The number of training batches \(\d+\) is smaller than the logging interval",
         r"lightning\.pytorch\.",
     ),
+    # Every resume writes into a new run dir, so Lightning notes each time that the old
+    # dir's checkpoint scores are not reloaded; val/acc_best itself is restored by
+    # ViTClassifier.
+    (r"The dirpath has changed from", r"lightning\.pytorch\.callbacks\.model_checkpoint"),
 )
 
 

@@ -215,6 +215,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     log.info("Building datamodule <%s>", cfg.data._target_)
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
+    if hasattr(datamodule, "check_batch_size"):
+        # Before the speed paths are timed on batches of this size.
+        datamodule.check_batch_size()
     log.info("Building model: %s", _resolved(cfg.model))
     # _convert_="all": plain dicts and lists, so checkpoints load with weights_only=True.
     module: ViTClassifier = hydra.utils.instantiate(

@@ -136,6 +136,27 @@ class InMemoryDataModule(L.LightningDataModule):
         self.data_test: Dataset | None = None
         self.source: str | None = None
 
+    @property
+    def train_size(self) -> int | None:
+        """Images in the training split, known before ``setup`` reads any data; None where
+        a subclass cannot say."""
+        return None
+
+    def check_batch_size(self, size: int | None = None) -> None:
+        """Refuse a batch larger than the training split.
+
+        Raises:
+            ConfigError: names ``data.batch_size`` and the largest that would do.
+        """
+        size = self.train_size if size is None else size
+        if size is not None and self.batch_size > size:
+            # The loader would serve one short batch, and metrics.json would record a batch
+            # size that never ran.
+            raise ConfigError(
+                f"data.batch_size={self.batch_size} is larger than the {size} training "
+                f"images of {self.name}; use data.batch_size={size} or less"
+            )
+
     def move_to_device(self) -> None:
         """Move the tensor datasets to the trainer's GPU when ``on_device`` says so."""
         device = self.trainer.strategy.root_device if self.trainer is not None else None
@@ -149,13 +170,8 @@ class InMemoryDataModule(L.LightningDataModule):
     def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__}.setup() has not been called")
-        if shuffle and self.batch_size > len(dataset):
-            # The loader would serve one short batch, and metrics.json would record a batch
-            # size that never ran.
-            raise ConfigError(
-                f"data.batch_size={self.batch_size} is larger than the {len(dataset)} "
-                f"training images of {self.name}; use data.batch_size={len(dataset)} or less"
-            )
+        if shuffle:
+            self.check_batch_size(len(dataset))
         batched = isinstance(dataset, ImageTensorDataset)
         on_gpu = batched and dataset.tensors[0].device.type == "cuda"
         # Worker processes cannot share CUDA tensors; pinning is for host memory only.

@@ -96,6 +96,11 @@ class MNISTDataModule(InMemoryDataModule):
         if self.source is None:
             self.source = self.ensure_files(self.data_dir, download=self.download)
 
+    @property
+    def train_size(self) -> int:
+        """The official training images less the validation split."""
+        return self.num_train_official - self.val_size
+
     def setup(self, stage: str | None = None) -> None:
         if self.data_train is not None:
             self.move_to_device()

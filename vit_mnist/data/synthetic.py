@@ -55,6 +55,10 @@ class SyntheticDataModule(InMemoryDataModule):
     def prepare_data(self) -> None:
         self.source = "synthetic"
 
+    @property
+    def train_size(self) -> int:
+        return self.sizes[0]
+
     def setup(self, stage: str | None = None) -> None:
         if self.data_train is not None:
             self.move_to_device()
