@@ -12,9 +12,12 @@ from vit_mnist.models.attention import MultiHeadSelfAttention
 
 
 def textbook_mha(attn: MultiHeadSelfAttention, x: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Per head i: softmax(X W_i^Q (X W_i^K)^T / sqrt(d_k)) X W_i^V, concat, W^O."""
-    d, h = attn.embed_dim, attn.num_heads
-    dk = d // h
+    """Per head i: softmax(X W_i^Q (X W_i^K)^T / sqrt(d_k)) X W_i^V, concat, W^O.
+
+    ``qkv`` holds W^Q, W^K and W^V one after the other, each h * d_k rows, head i's d_k
+    rows at i * d_k (h * d_k is embed_dim unless ``head_dim`` was given)."""
+    h, dk = attn.num_heads, attn.head_dim
+    d = h * dk
     w, b = attn.qkv.weight, attn.qkv.bias
     heads = []
     for i in range(h):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 from pathlib import Path
 from typing import Any
@@ -31,16 +32,17 @@ from vit_mnist.analysis.per_class import (
     misclassified_relevance_grid,
     predict,
 )
+from vit_mnist.analysis.pruning import accuracy_at, prune_iteratively, pruning_figure
 from vit_mnist.checkpointing import checkpoint_datamodule, read_checkpoint, resolve_ckpt_path
 from vit_mnist.errors import ConfigError, exit_on_user_error
-from vit_mnist.io import save_figure, save_png, write_csv, write_metrics
+from vit_mnist.io import atomic_write_bytes, save_figure, save_png, write_csv, write_metrics
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
 from vit_mnist.speed.hardware import describe_device, resolve_precision, uses_cuda
 
 log = logging.getLogger(__name__)
 
 # The values of `analysis=` (configs/eval.yaml); null or "none" runs none.
-ANALYSES = ("heads", "faithfulness")
+ANALYSES = ("heads", "faithfulness", "prune")
 
 
 def _check_analysis(cfg: DictConfig) -> None:
@@ -64,7 +66,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     for the first 16 errors; not written when there are none) and TensorBoard events;
     with ``analysis=heads`` also ``head_importance.csv`` (ablation and gradient head
     importance) and ``head_importance.png``; with ``analysis=faithfulness``
-    ``faithfulness.csv`` and ``faithfulness.png`` (the perturbation test).
+    ``faithfulness.csv`` and ``faithfulness.png`` (the perturbation test); with
+    ``analysis=prune`` ``pruning.csv``, ``pruning.png`` and ``pruned.ckpt`` (head pruning,
+    see :func:`analyse_pruning`).
 
     Returns:
         The metrics written to ``metrics.json``: ``test/acc`` (fraction in [0, 1]),
@@ -72,7 +76,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
     Raises:
         CheckpointError: see :func:`read_checkpoint` and :func:`resolve_ckpt_path`.
-        ConfigError: an unknown ``analysis``, or ``faithfulness.num_images`` < 1.
+        ConfigError: an unknown ``analysis``, ``faithfulness.num_images`` < 1, or a
+            ``prune.*`` fraction out of range.
     """
     _check_analysis(cfg)
     ckpt_path = resolve_ckpt_path(cfg)
@@ -174,6 +179,17 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                 writer=writer,
             )
         )
+    elif cfg.get("analysis") == "prune":
+        quiet = hydra.utils.instantiate(
+            cfg.trainer,
+            precision=precision,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        metrics.update(
+            analyse_pruning(quiet, module, ckpt, datamodule, cfg.get("prune") or {}, out, writer)
+        )
     if writer is not None:
         writer.flush()  # the figures above, on disk before evaluate returns
     return write_metrics(out / "metrics.json", metrics)
@@ -221,7 +237,8 @@ def analyse_heads(trainer, module, loader, images, out: Path, writer) -> dict[st
     write_csv(out / "head_importance.csv", rows)
     model = module.net
     title = f"test accuracy {100 * baseline['acc']:.2f}%: drop when one head is zeroed"
-    figure = head_importance_figure(rows, model.depth, model.num_heads, title)
+    heads = max(block.attn.num_heads for block in model.blocks)
+    figure = head_importance_figure(rows, model.depth, heads, title)
     if writer is not None:
         writer.add_figure("head_importance", figure, close=False)
     save_figure(figure, out / "head_importance.png")
@@ -236,6 +253,122 @@ def analyse_heads(trainer, module, loader, images, out: Path, writer) -> dict[st
             f"{r['entropy_nats']:8.3f} {r['mean_distance_px']:8.2f}"
         )
     return {"baseline": baseline, "heads": rows, "spearman_grad_vs_ablation": spearman}
+
+
+def analyse_pruning(
+    trainer: L.Trainer,
+    module: ViTClassifier,
+    ckpt: dict[str, Any],
+    datamodule: L.LightningDataModule,
+    settings: Any,
+    out: Path,
+    writer,
+) -> dict[str, Any]:
+    """Head pruning (Michel et al. 2019, section 4): ``pruning.csv``, ``pruning.png``,
+    TensorBoard, and the last step's model as ``pruned.ckpt``.
+
+    The gradient head importance is taken on the validation set (so that nothing is
+    chosen on the test set) and the test accuracy and loss of each step's pruned model are
+    computed with ``trainer`` (see :func:`~vit_mnist.analysis.pruning.prune_iteratively`).
+    ``pruned.ckpt`` holds the pruned weights, the model arguments (``num_heads`` one count
+    per block, ``head_dim``) and the run info, so ``eval.py`` and ``predict.py`` load it
+    like any other; it has no optimizer state, so training cannot resume from it.
+
+    Returns:
+        ``pruning/acc_at_{0,25,50,75}pct`` (test accuracy of the first step with at least
+        that share of heads removed; left out when not reached), ``pruning/final_acc``,
+        ``pruning/final_fraction``, ``pruning/params`` and ``pruning/params_pruned``,
+        ``pruning/ckpt``.
+
+    Raises:
+        ConfigError: ``prune.step_fraction`` not in (0, 1] or ``prune.max_fraction`` not
+            in [0, 1].
+    """
+    step_fraction = float(settings.get("step_fraction", 0.1))
+    max_fraction = float(settings.get("max_fraction", 0.75))
+    if not 0 < step_fraction <= 1 or not 0 <= max_fraction <= 1:
+        raise ConfigError(
+            f"prune.step_fraction={step_fraction} must be in (0, 1] and "
+            f"prune.max_fraction={max_fraction} in [0, 1]"
+        )
+    hparams = dict(module.hparams)
+    test_loader = datamodule.test_dataloader()
+
+    def build(net, args) -> ViTClassifier:
+        pruned = ViTClassifier(**{**hparams, "model": args})
+        pruned.net.load_state_dict(net.state_dict())
+        pruned.run_info = dict(module.run_info)
+        return pruned
+
+    def score(net, args) -> tuple[float, float]:
+        logits, labels = predict(trainer, build(net, args), test_loader)
+        acc = (logits.argmax(1) == labels).float().mean().item()
+        return acc, torch.nn.functional.cross_entropy(logits, labels).item()
+
+    rows, net, args = prune_iteratively(
+        module.net,
+        hparams["model"],
+        datamodule.val_dataloader(),
+        score,
+        step_fraction=step_fraction,
+        max_fraction=max_fraction,
+        normalise=bool(settings.get("normalise", True)),
+        device=trainer.strategy.root_device,
+    )
+    write_csv(out / "pruning.csv", rows)
+    pruned = build(net, args)
+    # Lightning's own keys and the run info, the pruned weights and arguments; no optimizer,
+    # scheduler or loop state: those belong to the unpruned model's training.
+    saved = {k: ckpt[k] for k in ("epoch", "global_step", "pytorch-lightning_version") if k in ckpt}
+    saved.update(
+        {
+            "state_dict": pruned.state_dict(),
+            "hparams_name": ckpt.get("hparams_name", "kwargs"),
+            "hyper_parameters": {**ckpt["hyper_parameters"], "model": args},
+            RUN_INFO_KEY: dict(ckpt.get(RUN_INFO_KEY, {})),
+            "pruned_heads": [r["removed"] for r in rows[1:]],
+        }
+    )
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    atomic_write_bytes(out / "pruned.ckpt", buffer.getvalue())
+    count = sum(p.numel() for p in module.net.parameters())
+    count_pruned = sum(p.numel() for p in net.parameters())
+    metrics: dict[str, Any] = {}
+    for pct in (0, 25, 50, 75):
+        acc = accuracy_at(rows, pct / 100)
+        if acc is not None:
+            metrics[f"pruning/acc_at_{pct}pct"] = acc
+    metrics.update(
+        {
+            "pruning/final_acc": rows[-1]["test_acc"],
+            "pruning/final_fraction": rows[-1]["fraction_removed"],
+            "pruning/params": count,
+            "pruning/params_pruned": count_pruned,
+            "pruning/num_heads": args["num_heads"],
+            "pruning/ckpt": str((out / "pruned.ckpt").resolve()),
+        }
+    )
+    total = sum(block.attn.num_heads for block in module.net.blocks)
+    per_step = rows[1]["heads_removed"] if len(rows) > 1 else 0
+    title = f"head pruning: {total} heads, {per_step} per step (gradient importance, val set)"
+    figure = pruning_figure(rows, title)
+    if writer is not None:
+        for r in rows:
+            writer.add_scalar("pruning/test_acc", r["test_acc"], global_step=r["heads_removed"])
+        writer.add_figure("pruning", figure, close=False)
+    save_figure(figure, out / "pruning.png")
+    print(f"{'step':>4} {'removed':>7} {'fraction':>8} {'acc':>7} {'loss':>7}  heads removed")
+    for r in rows:
+        print(
+            f"{r['step']:>4} {r['heads_removed']:>7} {100 * r['fraction_removed']:7.1f}% "
+            f"{100 * r['test_acc']:6.2f}% {r['test_loss']:7.4f}  {r['removed']}"
+        )
+    print(
+        f"pruned.ckpt: heads per block {args['num_heads']}, "
+        f"{count_pruned:,} of {count:,} parameters"
+    )
+    return metrics
 
 
 def analyse_faithfulness(

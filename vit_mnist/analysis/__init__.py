@@ -5,6 +5,8 @@
 - :mod:`vit_mnist.analysis.relevance`: class relevance maps (Chefer, Gur and Wolf 2021);
 - :mod:`vit_mnist.analysis.heads`: head ablation and gradient head importance (Michel et
   al. 2019);
+- :mod:`vit_mnist.analysis.pruning`: head pruning, heads cut out of the weights (Michel et
+  al. 2019, section 4);
 - :mod:`vit_mnist.analysis.faithfulness`: the perturbation test of explanations;
 - :mod:`vit_mnist.analysis.per_class`: per-class metrics, confusion matrix, errors.
 
@@ -21,6 +23,7 @@ from vit_mnist.analysis.attention import (
 )
 from vit_mnist.analysis.faithfulness import explanation_maps, perturbation_test
 from vit_mnist.analysis.heads import gradient_head_importance, head_importance, heads_zeroed
+from vit_mnist.analysis.pruning import prune_heads, prune_iteratively
 from vit_mnist.analysis.relevance import class_relevance
 
 __all__ = [
@@ -36,4 +39,6 @@ __all__ = [
     "heads_zeroed",
     "mean_attention_distance",
     "perturbation_test",
+    "prune_heads",
+    "prune_iteratively",
 ]

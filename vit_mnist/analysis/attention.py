@@ -122,22 +122,25 @@ def head_statistics(
     The same statistics the training callback logs, averaged over all ``images``.
 
     Returns:
-        Two (depth, heads) float32 tensors.
+        Two (depth, heads) float32 tensors; ``heads`` is the largest head count of a block
+        (a block with fewer heads, as in a pruned model, has zeros in the columns it lacks).
     """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     grid, patch = model.patch_embed.grid_size, model.patch_embed.patch_size
-    entropy = torch.zeros(model.depth, model.num_heads)
-    distance = torch.zeros(model.depth, model.num_heads)
+    heads = max(block.attn.num_heads for block in model.blocks)
+    entropy = torch.zeros(model.depth, heads)
+    distance = torch.zeros(model.depth, heads)
     try:
         for start in range(0, len(images), batch_size):
             chunk = images[start : start + batch_size].to(device)
             _, weights = model.forward_with_attention(chunk)
             share = len(chunk) / len(images)
             for layer, w in enumerate(weights):
-                entropy[layer] += share * attention_entropy(w).cpu()
-                distance[layer] += (
+                h = w.shape[1]
+                entropy[layer, :h] += share * attention_entropy(w).cpu()
+                distance[layer, :h] += (
                     share * mean_attention_distance(w, grid_size=grid, patch_size=patch).cpu()
                 )
     finally:

@@ -46,6 +46,7 @@ def gradient_head_importance(
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     *,
     device: torch.device | str | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gradient head importance (Michel, Levy and Neubig 2019, eq. 2).
 
@@ -76,12 +77,18 @@ def gradient_head_importance(
         batches: an iterable of (images (B, C, H, W) float, labels (B,) int64), e.g. a
             test DataLoader; tensors on any device.
         device: where to compute; default the device of the model's parameters.
+        mask: (depth, heads) gate values xi, default all ones; 0 removes a head, so the
+            importance is taken in the model with those heads pruned, as in the iterative
+            pruning of Michel et al. 2019, section 4 (a removed head's own entry is then
+            the gradient of putting it back).
 
     Returns:
-        (depth, heads) float32 on the CPU, >= 0, in units of loss (nats) per unit of gate.
+        (depth, heads) float32 on the CPU, >= 0, in units of loss (nats) per unit of gate;
+        ``heads`` is the largest head count of a block (a block with fewer heads, as in a
+        pruned model, has zeros in the columns it lacks).
 
     Raises:
-        ValueError: ``batches`` yields no images.
+        ValueError: ``batches`` yields no images, or ``mask`` has the wrong shape.
         RuntimeError: called inside :func:`torch.inference_mode`.
     """
     if torch.is_inference_mode_enabled():
@@ -92,17 +99,21 @@ def gradient_head_importance(
     device = torch.device(device) if device is not None else home
     was_training = model.training
     model.eval().to(device)
-    gate = torch.ones(model.depth, model.num_heads, device=device, dtype=dtype, requires_grad=True)
+    shape = (model.depth, max(block.attn.num_heads for block in model.blocks))
+    if mask is not None and tuple(mask.shape) != shape:
+        raise ValueError(f"mask of shape {tuple(mask.shape)}; this model needs {shape}")
+    gate = torch.ones(shape) if mask is None else mask.detach().clone()
+    gate = gate.to(device, dtype).requires_grad_(True)
     handles = []
     for layer, block in enumerate(model.blocks):
-        d = block.attn.head_dim
+        d, h = block.attn.head_dim, block.attn.num_heads
 
-        def gated(module, inputs, layer=layer, d=d):
+        def gated(module, inputs, layer=layer, d=d, h=h):
             # (B, T, heads * d_k) * (heads * d_k,): head h's slice times xi_h.
-            return (inputs[0] * gate[layer].repeat_interleave(d).to(inputs[0].dtype),)
+            return (inputs[0] * gate[layer, :h].repeat_interleave(d).to(inputs[0].dtype),)
 
         handles.append(block.attn.proj.register_forward_pre_hook(gated))
-    total = torch.zeros(model.depth, model.num_heads, dtype=torch.float64, device=device)
+    total = torch.zeros(shape, dtype=torch.float64, device=device)
     count = 0
     try:
         with torch.enable_grad(), torch.autocast(device.type, enabled=False):
@@ -142,7 +153,7 @@ def head_importance(
     base_acc, base_loss = score()
     rows = []
     for layer in range(model.depth):
-        for head in range(model.num_heads):
+        for head in range(model.blocks[layer].attn.num_heads):
             with heads_zeroed(model, layer, [head]):
                 acc, loss = score()
             rows.append(

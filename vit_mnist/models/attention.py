@@ -25,17 +25,25 @@ from vit_mnist.errors import ConfigError
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "explicit", "fused")
 
 
-def check_attention_args(*, embed_dim: int, num_heads: int, impl: str = "explicit") -> None:
+def check_attention_args(
+    *, embed_dim: int, num_heads: int, impl: str = "explicit", head_dim: int | None = None
+) -> None:
     """Raise :class:`ConfigError` (a ``ValueError``) for an impossible attention shape.
 
     Raises:
-        ConfigError: ``embed_dim`` or ``num_heads`` is not a positive integer,
-            ``embed_dim`` is not a multiple of ``num_heads``, or ``impl`` is unknown.
+        ConfigError: ``embed_dim``, ``num_heads`` or a given ``head_dim`` is not a positive
+            integer, ``embed_dim`` is not a multiple of ``num_heads`` (when ``head_dim`` is
+            None), or ``impl`` is unknown.
     """
-    for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+    sizes = (
+        ("embed_dim", embed_dim),
+        ("num_heads", num_heads),
+        ("head_dim", 1 if head_dim is None else head_dim),
+    )
+    for name, value in sizes:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{name}={value!r} must be a positive integer")
-    if embed_dim % num_heads != 0:
+    if head_dim is None and embed_dim % num_heads != 0:
         divisors = [d for d in range(1, embed_dim + 1) if embed_dim % d == 0 and d <= 64]
         raise ConfigError(
             f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}: each head "
@@ -56,7 +64,10 @@ class MultiHeadSelfAttention(nn.Module):
 
     Args:
         embed_dim: model width D (features per token).
-        num_heads: number of heads h; ``head_dim = embed_dim // num_heads`` is d_k.
+        num_heads: number of heads h.
+        head_dim: features per head d_k; default ``embed_dim // num_heads``. Given, the
+            heads may use fewer features than the model width (h * d_k < D), as after
+            head pruning (Michel et al. 2019, section 4): W^O then maps h * d_k to D.
         qkv_bias: whether the Q, K, V projections have a bias.
         attn_dropout: dropout probability on the attention weights (training only).
         proj_dropout: dropout probability after the output projection W^O.
@@ -82,6 +93,7 @@ class MultiHeadSelfAttention(nn.Module):
         *,
         embed_dim: int,
         num_heads: int,
+        head_dim: int | None = None,
         qkv_bias: bool = True,
         attn_dropout: float = 0.0,
         proj_dropout: float = 0.0,
@@ -89,25 +101,26 @@ class MultiHeadSelfAttention(nn.Module):
         impl: str = "explicit",
     ) -> None:
         super().__init__()
-        check_attention_args(embed_dim=embed_dim, num_heads=num_heads, impl=impl)
+        check_attention_args(embed_dim=embed_dim, num_heads=num_heads, impl=impl, head_dim=head_dim)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
-        self.head_dim = embed_dim // num_heads
+        self.head_dim = head_dim or embed_dim // num_heads
+        inner = num_heads * self.head_dim  # width of Concat(head_1, ..., head_h)
         self.scale = 1.0 / math.sqrt(self.head_dim)  # 1 / sqrt(d_k)
         self.causal = causal
         self.impl = impl
         self.fused = impl == "fused"
-        self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=qkv_bias)  # [W^Q W^K W^V]
+        self.qkv = nn.Linear(embed_dim, 3 * inner, bias=qkv_bias)  # [W^Q W^K W^V]
         # The softmax is a module of its own so that a forward hook can read the weights.
         self.softmax = nn.Softmax(dim=-1)
         self.attn_dropout = nn.Dropout(attn_dropout)
-        self.proj = nn.Linear(embed_dim, embed_dim)  # W^O
+        self.proj = nn.Linear(inner, embed_dim)  # W^O
         self.proj_dropout = nn.Dropout(proj_dropout)
 
     def forward(
         self, x: torch.Tensor, need_weights: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        qkv = self.qkv(x)  # (B, T, 3*D): X W^Q, X W^K, X W^V for all heads at once
+        qkv = self.qkv(x)  # (B, T, 3*h*d_k): X W^Q, X W^K, X W^V for all heads at once
         q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, h=self.num_heads)
         if self.fused and not need_weights:
             out = F.scaled_dot_product_attention(

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from vit_mnist.errors import ConfigError
 from vit_mnist.models.attention import check_attention_args
 
@@ -27,7 +29,8 @@ def check_vit_args(
     num_classes: int = 10,
     embed_dim: int = 64,
     depth: int = 6,
-    num_heads: int = 4,
+    num_heads: int | Sequence[int] = 4,
+    head_dim: int | None = None,
     mlp_ratio: float = 2.0,
     dropout: float = 0.0,
     attn_dropout: float = 0.0,
@@ -42,7 +45,8 @@ def check_vit_args(
 
     Raises:
         ConfigError (a ValueError): the message names the offending values, e.g.
-            ``embed_dim=64 is not divisible by num_heads=3``.
+            ``embed_dim=64 is not divisible by num_heads=3``, or a ``num_heads`` list
+            whose length is not ``depth`` or that comes without ``head_dim``.
     """
     for name, value in (
         ("img_size", img_size),
@@ -63,6 +67,19 @@ def check_vit_args(
     _check_rate("dropout", dropout)
     _check_rate("attn_dropout", attn_dropout)
     _check_rate("drop_path_rate", drop_path_rate)
-    check_attention_args(embed_dim=embed_dim, num_heads=num_heads, impl=attention_impl)
+    if isinstance(num_heads, Sequence) and not isinstance(num_heads, str):
+        # One count per block, as a pruned model stores them (Michel et al. 2019, section 4).
+        if len(num_heads) != depth:
+            raise ConfigError(
+                f"num_heads={list(num_heads)} needs one count per block (depth={depth})"
+            )
+        if head_dim is None:
+            raise ConfigError(f"num_heads={list(num_heads)} (one count per block) needs head_dim")
+    else:
+        num_heads = [num_heads]
+    for h in num_heads:
+        check_attention_args(
+            embed_dim=embed_dim, num_heads=h, impl=attention_impl, head_dim=head_dim
+        )
     if round(embed_dim * mlp_ratio) <= 0:
         raise ConfigError(f"mlp_ratio={mlp_ratio} gives an MLP of width 0 at embed_dim={embed_dim}")

@@ -76,6 +76,7 @@ class EncoderBlock(nn.Module):
         *,
         embed_dim: int,
         num_heads: int,
+        head_dim: int | None = None,
         mlp_ratio: float = 2.0,
         dropout: float = 0.0,
         attn_dropout: float = 0.0,
@@ -92,6 +93,7 @@ class EncoderBlock(nn.Module):
         self.attn = MultiHeadSelfAttention(
             embed_dim=embed_dim,
             num_heads=num_heads,
+            head_dim=head_dim,
             qkv_bias=qkv_bias,
             attn_dropout=attn_dropout,
             proj_dropout=dropout,
@@ -126,7 +128,9 @@ class VisionTransformer(nn.Module):
         num_classes: number of output logits.
         embed_dim: token width D.
         depth: number of encoder blocks L.
-        num_heads: attention heads per block; must divide ``embed_dim``.
+        num_heads: attention heads per block; must divide ``embed_dim`` unless ``head_dim``
+            is given. A list gives each block its own count (a pruned model's).
+        head_dim: features per head d_k; default ``embed_dim // num_heads``.
         mlp_ratio: MLP hidden width = ``round(embed_dim * mlp_ratio)``.
         dropout: dropout after the embedding, in the MLP and after attention's W^O.
         attn_dropout: dropout on the attention weights.
@@ -155,7 +159,8 @@ class VisionTransformer(nn.Module):
         num_classes: int = 10,
         embed_dim: int = 64,
         depth: int = 6,
-        num_heads: int = 4,
+        num_heads: int | list[int] = 4,
+        head_dim: int | None = None,
         mlp_ratio: float = 2.0,
         dropout: float = 0.0,
         attn_dropout: float = 0.0,
@@ -169,6 +174,7 @@ class VisionTransformer(nn.Module):
         check_vit_args(**arguments)  # every constructor argument, by name
         self.num_heads = num_heads
         self.depth = depth
+        heads = [num_heads] * depth if isinstance(num_heads, int) else list(num_heads)
         self.patch_embed = PatchEmbedding(
             img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim
         )
@@ -179,7 +185,8 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(
             EncoderBlock(
                 embed_dim=embed_dim,
-                num_heads=num_heads,
+                num_heads=heads[i],
+                head_dim=head_dim,
                 mlp_ratio=mlp_ratio,
                 dropout=dropout,
                 attn_dropout=attn_dropout,
@@ -237,7 +244,7 @@ class VisionTransformer(nn.Module):
 
         Returns:
             logits (B, num_classes) and a list of ``depth`` tensors, each
-            (B, num_heads, tokens, tokens), rows summing to 1.
+            (B, block's num_heads, tokens, tokens), rows summing to 1.
         """
         x = self._embed(x)
         weights = []

@@ -74,19 +74,30 @@ def check_speed_path(path: Any) -> None:
 
 
 def candidates(
-    device: torch.device, path: str, precision: str, include_compiled: bool
+    device: torch.device,
+    path: str,
+    precision: str,
+    include_compiled: bool,
+    net: VisionTransformer | None = None,
 ) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """The (path, precision) pairs to time, and ``path -> why`` for those left out.
 
+    ``net``, when given, must be supported too (a model with pruned heads is not by every
+    path, see :attr:`TrainingPath.unsupported`).
+
     Raises:
-        ConfigError: a forced path that cannot run on ``device``, saying why.
+        ConfigError: a forced path that cannot run on ``device`` or ``net``, saying why.
     """
     check_speed_path(path)
     skipped = {}
+
+    def unavailable(p) -> str | None:
+        return p.unavailable(device) or (None if net is None else p.unsupported(net))
+
     if path == "auto":
         paths = []
         for name, p in PATHS.items():
-            why = p.unavailable(device)
+            why = unavailable(p)
             if why is None and p.compiles and not include_compiled:
                 why = "compiles first (set speed.auto_compile=true to time it too)"
             if why is None:
@@ -94,7 +105,7 @@ def candidates(
             else:
                 skipped[name] = why
     else:
-        why = PATHS[path].unavailable(device)
+        why = unavailable(PATHS[path])
         if why is not None:
             raise ConfigError(f"speed.path={path} cannot run here: {why}; use speed.path=auto")
         paths = [path]
@@ -222,7 +233,7 @@ def choose(
         ConfigError: an unknown path, or a forced one that cannot run here.
     """
     start = time.perf_counter()
-    pairs, skipped = candidates(device, path, precision, include_compiled)
+    pairs, skipped = candidates(device, path, precision, include_compiled, net)
     if len(pairs) == 1:
         return Choice(*pairs[0], skipped=skipped)
     file = cache_root() / "speed_choices.json"

@@ -135,9 +135,10 @@ def handwritten_backward_core(attn: MultiHeadSelfAttention, q, k, v) -> torch.Te
 def cls_query_and_keys(
     attn: MultiHeadSelfAttention, x: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CLS token's query (B, 1, D) and every token's keys and values (B, T, 2D), from
-    the rows of ``attn.qkv`` that make them: the other tokens' queries are never computed."""
-    d = attn.embed_dim
+    """The CLS token's query (B, 1, h*d_k) and every token's keys and values
+    (B, T, 2*h*d_k), from the rows of ``attn.qkv`` that make them: the other tokens'
+    queries are never computed. (h * d_k is D except in a model with pruned heads.)"""
+    d = attn.num_heads * attn.head_dim
     weight, bias = attn.qkv.weight, attn.qkv.bias
     q = F.linear(x[:, :1], weight[:d], None if bias is None else bias[:d])
     kv = F.linear(x, weight[d:], None if bias is None else bias[d:])

@@ -41,6 +41,7 @@ class TrainingPath:
         build: model -> its forward on this path (the model's own modules).
         unavailable: device -> why this path cannot run there, or None where it can.
         compiles: whether the first calls compile (a warm-up before fitting, not timed).
+        unsupported: model -> why this path cannot run it, or None where it can.
     """
 
     name: str
@@ -48,9 +49,23 @@ class TrainingPath:
     build: Callable[[VisionTransformer], Forward]
     unavailable: Callable[[torch.device], str | None]
     compiles: bool = False
+    unsupported: Callable[[VisionTransformer], str | None] = lambda net: None
 
 
 def _always(device: torch.device) -> None:
+    return None
+
+
+def _needs_full_width_heads(net: VisionTransformer) -> str | None:
+    """Why the C++ attention kernel does not take ``net``: it is built and tested for
+    h * d_k == D in every block, which a model with pruned heads breaks."""
+    for i, block in enumerate(net.blocks):
+        attn = block.attn
+        if attn.num_heads * attn.head_dim != attn.embed_dim:
+            return (
+                f"block {i} has {attn.num_heads} heads of {attn.head_dim} features, not "
+                f"embed_dim={attn.embed_dim} (pruned heads); the C++ kernel assumes them equal"
+            )
     return None
 
 
@@ -182,6 +197,7 @@ PATHS: dict[str, TrainingPath] = {
             "C++ kernels for attention and residual add + LayerNorm (AVX-512 CPUs only)",
             lambda net: functools.partial(native_vit_forward, net),
             _native_unavailable,
+            unsupported=_needs_full_width_heads,
         ),
         TrainingPath(
             "compile_native",
@@ -189,6 +205,7 @@ PATHS: dict[str, TrainingPath] = {
             _compiled(native_vit_forward),
             _compile_native_unavailable,
             compiles=True,
+            unsupported=_needs_full_width_heads,
         ),
     )
 }
