@@ -27,29 +27,51 @@ def run(script: str, *overrides: str, cwd: Path = ROOT) -> subprocess.CompletedP
     )
 
 
-def test_heads_not_dividing_embed_dim_is_one_clear_line(tmp_path):
-    result = run("train.py", "model.num_heads=3", "model.embed_dim=64", f"hydra.run.dir={tmp_path}")
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, result.stderr
-    assert "embed_dim=64" in errors[0] and "num_heads=3" in errors[0]
-    assert "Traceback" not in result.stderr + result.stdout
-    # Nothing was trained or read: the check comes before data and model.
-    assert not (tmp_path / "checkpoints").exists()
+def run_many(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """``run`` for several commands at once: they start in parallel and are waited for."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / script), *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for script, *args in commands
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
 
 
-def test_eval_without_ckpt_path_is_a_clear_error(tmp_path):
-    result = run("eval.py", f"hydra.run.dir={tmp_path}")
-    assert result.returncode != 0
-    assert "ckpt_path is required" in result.stderr
-    assert "Traceback" not in result.stderr
-
-
-def test_eval_with_missing_checkpoint_names_the_path(tmp_path):
+def test_bad_input_on_the_command_line_is_one_line(tmp_path):
     missing = tmp_path / "nope.ckpt"
-    result = run("eval.py", f"ckpt_path={missing}", f"hydra.run.dir={tmp_path}")
-    assert result.returncode != 0
-    assert str(missing) in result.stderr and "Traceback" not in result.stderr
+    heads, no_ckpt, missing_ckpt, predict = run_many(
+        ("train.py", "model.num_heads=3", "model.embed_dim=64", f"hydra.run.dir={tmp_path / 't'}"),
+        ("eval.py", f"hydra.run.dir={tmp_path / 'e1'}"),
+        ("eval.py", f"ckpt_path={missing}", f"hydra.run.dir={tmp_path / 'e2'}"),
+        (
+            "scripts/predict.py",
+            f"ckpt_path={tmp_path / 'x.ckpt'}",
+            "images=[a.png]",
+            f"hydra.run.dir={tmp_path / 'p'}",
+        ),
+    )
+    for result in (heads, no_ckpt, missing_ckpt, predict):
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr + result.stdout
+    errors = [line for line in heads.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, heads.stderr
+    assert "embed_dim=64" in errors[0] and "num_heads=3" in errors[0]
+    # Nothing was trained or read: the check comes before data and model.
+    assert not (tmp_path / "t" / "checkpoints").exists()
+    assert "ckpt_path is required" in no_ckpt.stderr
+    assert str(missing) in missing_ckpt.stderr
+    assert predict.stderr.strip().splitlines()[-1].startswith("error: checkpoint")
 
 
 def test_train_cli_with_user_overrides_then_eval(tmp_path):
@@ -80,18 +102,6 @@ def test_train_cli_with_user_overrides_then_eval(tmp_path):
     result = run("eval.py", f"ckpt_path={best}", f"hydra.run.dir={tmp_path / 'eval'}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"test/acc = {metrics['test/acc']:.4f}" in result.stdout
-
-
-def test_predict_without_images_or_checkpoint_is_one_line(tmp_path):
-    result = run(
-        "scripts/predict.py",
-        f"ckpt_path={tmp_path / 'x.ckpt'}",
-        "images=[a.png]",
-        f"hydra.run.dir={tmp_path}",
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].startswith("error: checkpoint")
-    assert "Traceback" not in result.stderr
 
 
 CONSOLE_SCRIPTS = {

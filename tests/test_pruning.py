@@ -21,6 +21,7 @@ from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.module import ViTClassifier
 from vit_mnist.speed.choose import candidates
 from vit_mnist.speed.paths import PATHS
+from vit_mnist.train import train
 
 ARGS = dict(embed_dim=32, depth=2, num_heads=4, patch_size=7)
 CPU = torch.device("cpu")
@@ -99,7 +100,7 @@ def test_speed_paths_run_a_pruned_model_or_say_why_not():
         candidates(CPU, "native", "32-true", False, pruned)
 
 
-def test_eval_prunes_and_the_pruned_checkpoint_evaluates_alike(tmp_path):
+def test_eval_prunes_and_the_pruned_checkpoint_evaluates_alike(tmp_path, make_train_cfg):
     # A checkpoint as train() writes it, without the training: synthetic data, 8 heads.
     module = ViTClassifier(model={**ARGS, "num_classes": 10})
     module.net.load_state_dict(_model().state_dict())
@@ -135,3 +136,9 @@ def test_eval_prunes_and_the_pruned_checkpoint_evaluates_alike(tmp_path):
     assert again["test/acc"] == pytest.approx(float(rows[-1]["test_acc"]), abs=1e-6)
     loaded = ViTClassifier.load_from_checkpoint(pruned_ckpt, weights_only=True)
     assert _params(loaded.net) == metrics["pruning/params_pruned"]
+    # Fine-tuning: train.py init_from= starts a new run from the pruned model's arguments and
+    # weights (1 head per block), with a fresh optimizer.
+    tuned = train(make_train_cfg(f"init_from={pruned_ckpt}", "trainer.max_epochs=1"))
+    assert tuned["model"]["num_heads"] == [1, 1] and tuned["init_from"] == str(pruned_ckpt)
+    assert tuned["num_params"] == metrics["pruning/params_pruned"]
+    assert tuned["epochs"] == 1

@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vit_mnist.callbacks.throughput import TrainThroughput
 from vit_mnist.checkpointing import (
@@ -172,6 +172,30 @@ def check_config(cfg: DictConfig) -> None:
         _positive_int("callbacks.last_checkpoint.every_n_train_steps", every)
 
 
+def _model_to_start_from(cfg: DictConfig) -> dict[str, torch.Tensor] | None:
+    """For ``init_from=PATH``: put that checkpoint's model arguments into ``cfg.model`` and
+    return its network weights; None without ``init_from``.
+
+    Raises:
+        ConfigError: ``init_from`` together with ``ckpt_path``.
+        CheckpointError: see :func:`vit_mnist.checkpointing.read_checkpoint`.
+    """
+    path = cfg.get("init_from")
+    if path is None:
+        return None
+    if cfg.get("ckpt_path") is not None:
+        raise ConfigError(
+            f"init_from={path} and ckpt_path={cfg.ckpt_path}: give one; ckpt_path resumes a "
+            "run where it stopped, init_from starts a new one from a checkpoint's model"
+        )
+    ckpt = read_checkpoint(path)
+    with open_dict(cfg):
+        cfg.model = OmegaConf.create(ckpt["hyper_parameters"]["model"])
+    log.info("init_from=%s: model %s, training from epoch 0", path, _resolved(cfg.model))
+    prefix = "net."
+    return {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+
+
 def _experiment_name() -> str | None:
     """The ``experiment=NAME`` of this run (None without one, or outside ``@hydra.main``)."""
     if not HydraConfig.initialized():
@@ -195,6 +219,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         ConfigError: an impossible setting (checked before data or model are built).
         DataError: data files that cannot be found, fetched or verified.
     """
+    init = _model_to_start_from(cfg)
     check_config(cfg)
     ckpt_path = cfg.get("ckpt_path")
     start_step = 0
@@ -223,6 +248,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     module: ViTClassifier = hydra.utils.instantiate(
         cfg.module, model=_resolved(cfg.model), _convert_="all"
     )
+    if init is not None:
+        module.net.load_state_dict(init)
     speed = cfg.get("speed") or {}
     device = torch.device("cuda" if uses_cuda(str(cfg.trainer.get("accelerator"))) else "cpu")
     choice = choose(
@@ -332,6 +359,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "best_ckpt": best_ckpt or None,
         "seed": cfg.seed,
         "resumed_from": str(ckpt_path) if ckpt_path else None,
+        "init_from": cfg.get("init_from"),
     }
     if not trainer.is_global_zero:
         # Under DDP every process has the same all-reduced metrics; one writes the file.
