@@ -134,26 +134,29 @@ def test_console_script_composes_the_same_config_anywhere(tmp_path, name):
 
 def test_console_script_trains_like_train_py(tmp_path):
     run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [str(console_script("vit-mnist-train")), "data=synthetic", "trainer=cpu"]
-        + ["trainer.max_epochs=1", *TINY_MODEL, f"hydra.run.dir={run_dir}"]
-        + ["speed.path=handwritten", "trainer.precision=32-true"],  # auto is timed elsewhere
+    script = str(console_script("vit-mnist-train"))
+    # Both at once: a run, and bad input (the same one-line error and exit status as
+    # python train.py).
+    good = subprocess.Popen(
+        [script, "data=synthetic", "trainer=cpu", "trainer.max_epochs=1", *TINY_MODEL]
+        + [f"hydra.run.dir={run_dir}", "speed.path=handwritten", "trainer.precision=32-true"],
         cwd=tmp_path,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    bad = subprocess.run(
+        [script, "model.num_heads=3", f"hydra.run.dir={tmp_path / 'bad'}"],
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    _, stderr = good.communicate(timeout=300)
+    assert good.returncode == 0, stderr[-3000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["model"]["num_heads"] == 2 and metrics["epochs"] == 1
-    # Bad input: the same one-line error and exit status as python train.py.
-    bad = subprocess.run(
-        [str(console_script("vit-mnist-train")), "model.num_heads=3"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-    )
     assert bad.returncode == 2 and bad.stderr.startswith("error: embed_dim=64")
 
 
