@@ -150,16 +150,20 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "data_source": getattr(datamodule, "source", None),
     }
     print(f"test/acc = {results['test/acc']:.4f}  (test/loss = {results['test/loss']:.4f})")
-    if cfg.get("analysis") == "heads":
-        # A quiet trainer for the 1 + depth * heads passes: no progress bars, no logger.
-        quiet = hydra.utils.instantiate(
+
+    # A quiet trainer for the many evaluation passes of heads and prune: no progress bars,
+    # no logger.
+    def quiet() -> L.Trainer:
+        return hydra.utils.instantiate(
             cfg.trainer,
             precision=precision,
             logger=False,
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        heads = analyse_heads(quiet, module, loader, images, out, writer)
+
+    if cfg.get("analysis") == "heads":
+        heads = analyse_heads(quiet(), module, loader, images, out, writer)
         metrics["heads/spearman_grad_vs_ablation"] = heads.pop("spearman_grad_vs_ablation")
         metrics["head_importance"] = heads
     elif cfg.get("analysis") == "faithfulness":
@@ -180,15 +184,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             )
         )
     elif cfg.get("analysis") == "prune":
-        quiet = hydra.utils.instantiate(
-            cfg.trainer,
-            precision=precision,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
         metrics.update(
-            analyse_pruning(quiet, module, ckpt, datamodule, cfg.get("prune") or {}, out, writer)
+            analyse_pruning(quiet(), module, ckpt, datamodule, cfg.get("prune") or {}, out, writer)
         )
     if writer is not None:
         writer.flush()  # the figures above, on disk before evaluate returns
