@@ -50,12 +50,14 @@ class BatchRandomAffine(nn.Module):
     ) -> None:
         super().__init__()
         self.hflip = bool(hflip)
-        if degrees < 0 or not 0 <= translate <= 1:
-            # translate is a fraction of the image size, as in torchvision's RandomAffine:
-            # translate=2 would shift digits out of the picture.
+        if degrees < 0:
+            raise ConfigError(f"augment.degrees={degrees} must be >= 0 (e.g. 10)")
+        if not 0 <= translate <= 1:
+            # A fraction of the image size, as in torchvision's RandomAffine: translate=2
+            # would shift digits out of the picture.
             raise ConfigError(
-                f"augment.degrees={degrees} must be >= 0 and augment.translate={translate} a "
-                "fraction of the image size in [0, 1] (e.g. 0.1)"
+                f"augment.translate={translate} must be a fraction of the image size in "
+                "[0, 1] (e.g. 0.1)"
             )
         lo, hi = scale
         if not 0 < lo <= hi:
