@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import os
-import tempfile
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,19 +25,13 @@ from vit_mnist.errors import WriteError
 log = logging.getLogger(__name__)
 
 
-def _current_umask() -> int:
-    # os.umask can only be read by setting it; set it straight back.
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary file in the same folder and a rename.
 
     The file gets the permissions an ordinary ``open(path, "wb")`` would give (0666 less
-    the process umask), not the 0600 of :func:`tempfile.mkstemp`, so a shared data dir
-    or checkpoint stays readable by the others it was meant for.
+    the process umask, applied by the kernel when the temporary file is created), not the
+    0600 of :func:`tempfile.mkstemp`, so a shared data dir or checkpoint stays readable by
+    the others it was meant for.
 
     Raises:
         WriteError: (an ``OSError``) the folder cannot be created or written (full disk, no
@@ -48,12 +42,13 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+        # O_EXCL: a name no other writer holds; 0o666: the umask applies, as for open().
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_current_umask())
         os.replace(tmp, path)
     except BaseException as e:
         if tmp is not None:
