@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import logging
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from vit_mnist.analysis.heads import (
     head_importance_figure,
 )
 from vit_mnist.analysis.per_class import (
+    accuracy_and_loss,
     class_report,
     confusion_matrix_figure,
     misclassified_grid,
@@ -33,9 +33,14 @@ from vit_mnist.analysis.per_class import (
     predict,
 )
 from vit_mnist.analysis.pruning import accuracy_at, prune_iteratively, pruning_figure
-from vit_mnist.checkpointing import checkpoint_datamodule, read_checkpoint, resolve_ckpt_path
+from vit_mnist.checkpointing import (
+    AtomicCheckpointIO,
+    checkpoint_datamodule,
+    read_checkpoint,
+    resolve_ckpt_path,
+)
 from vit_mnist.errors import ConfigError, exit_on_user_error
-from vit_mnist.io import atomic_write_bytes, save_figure, save_png, write_csv, write_metrics
+from vit_mnist.io import save_figure, save_png, write_csv, write_metrics
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
 from vit_mnist.speed.hardware import describe_device, resolve_precision, uses_cuda
 
@@ -298,9 +303,7 @@ def analyse_pruning(
         return pruned
 
     def score(net, args) -> tuple[float, float]:
-        logits, labels = predict(trainer, build(net, args), test_loader)
-        acc = (logits.argmax(1) == labels).float().mean().item()
-        return acc, torch.nn.functional.cross_entropy(logits, labels).item()
+        return accuracy_and_loss(trainer, build(net, args), test_loader)
 
     rows, net, args = prune_iteratively(
         module.net,
@@ -326,9 +329,7 @@ def analyse_pruning(
             "pruned_heads": [r["removed"] for r in rows[1:]],
         }
     )
-    buffer = io.BytesIO()
-    torch.save(saved, buffer)
-    atomic_write_bytes(out / "pruned.ckpt", buffer.getvalue())
+    AtomicCheckpointIO().save_checkpoint(saved, out / "pruned.ckpt")
     count = sum(p.numel() for p in module.net.parameters())
     count_pruned = sum(p.numel() for p in net.parameters())
     metrics: dict[str, Any] = {}

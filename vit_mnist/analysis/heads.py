@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from vit_mnist.analysis.per_class import predict
+from vit_mnist.analysis.per_class import accuracy_and_loss
 from vit_mnist.models.vit import VisionTransformer
 
 
@@ -146,9 +146,7 @@ def head_importance(
     model: VisionTransformer = module.net
 
     def score() -> tuple[float, float]:
-        logits, labels = predict(trainer, module, loader)
-        acc = (logits.argmax(1) == labels).float().mean().item()
-        return acc, F.cross_entropy(logits, labels).item()
+        return accuracy_and_loss(trainer, module, loader)
 
     base_acc, base_loss = score()
     rows = []

@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from torchmetrics.functional.classification import (
     multiclass_accuracy,
@@ -33,6 +34,16 @@ def predict(
     logits = torch.cat([o[0].cpu() for o in outputs])
     labels = torch.cat([o[1].cpu() for o in outputs])
     return logits, labels
+
+
+def accuracy_and_loss(
+    trainer: L.Trainer, module: L.LightningModule, loader: DataLoader
+) -> tuple[float, float]:
+    """Accuracy (fraction in [0, 1]) and mean cross-entropy (nats) of ``module`` on
+    ``loader``, through :func:`predict`."""
+    logits, labels = predict(trainer, module, loader)
+    accuracy = (logits.argmax(1) == labels).float().mean().item()
+    return accuracy, F.cross_entropy(logits, labels).item()
 
 
 def class_report(
