@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from vit_mnist.callbacks.throughput import TrainThroughput
 from vit_mnist.checkpointing import (
@@ -73,12 +74,18 @@ def _check_device(trainer_cfg: DictConfig) -> None:
         )
 
 
-def _check_launch(trainer_cfg: DictConfig) -> None:
-    """DDP inside a local Hydra multirun would re-run the whole sweep in every process.
+_ENV_AT_IMPORT = dict(os.environ)
 
-    Lightning starts DDP's extra processes by running the same command line again; with
-    ``-m`` that command is the sweep. Under SLURM (submitit) or torchrun the processes are
-    started outside, one per task, and nothing is re-run.
+
+def _prepare_ddp_launch(trainer_cfg: DictConfig) -> None:
+    """Let Lightning's DDP start its extra processes as this one job, not as the sweep.
+
+    Lightning starts DDP's extra processes by running ``sys.argv`` again in
+    ``HydraConfig.run.dir``; inside a local multirun (``-m``) that command line is the whole
+    sweep and that folder is not the job's. So the command line becomes this job's own
+    overrides with ``hydra.mode=RUN``, and ``run.dir`` this job's run dir. Under SLURM
+    (submitit) or torchrun the processes are started outside, one per task, and nothing is
+    re-run.
     """
     if not str(trainer_cfg.get("strategy", "auto")).startswith("ddp"):
         return
@@ -86,12 +93,19 @@ def _check_launch(trainer_cfg: DictConfig) -> None:
         return
     if SLURMEnvironment.detect() or TorchElasticEnvironment.detect():
         return
-    raise ConfigError(
-        f"trainer.strategy={trainer_cfg.strategy} cannot run inside a local multirun (-m): "
-        "Lightning would start each DDP process as a new sweep; run the jobs one at a "
-        "time, or sweep on SLURM with hydra/launcher=slurm "
-        "hydra.launcher.tasks_per_node=<devices>"
-    )
+    # The job before this one left its process group and Lightning's rank variables behind;
+    # with LOCAL_RANK set, Lightning would take this process for a child and start none.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        if key in _ENV_AT_IMPORT:
+            os.environ[key] = _ENV_AT_IMPORT[key]
+        else:
+            os.environ.pop(key, None)
+    hydra_cfg = HydraConfig.get()
+    sys.argv = [sys.argv[0], *hydra_cfg.overrides.task, "hydra.mode=RUN"]
+    with read_write(hydra_cfg), open_dict(hydra_cfg):
+        hydra_cfg.run.dir = hydra_cfg.runtime.output_dir
 
 
 def _check_data_dir(data_dir: str, folder: str = "MNIST") -> None:
@@ -166,7 +180,6 @@ def check_config(cfg: DictConfig) -> None:
     check_module_args(**_resolved(cfg.module))
     _positive_int("trainer.max_epochs", cfg.trainer.get("max_epochs"))
     _check_device(cfg.trainer)
-    _check_launch(cfg.trainer)
     every = ((cfg.get("callbacks") or {}).get("last_checkpoint") or {}).get("every_n_train_steps")
     if every is not None:
         _positive_int("callbacks.last_checkpoint.every_n_train_steps", every)
@@ -278,6 +291,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     loggers = [
         hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None
     ]
+    _prepare_ddp_launch(cfg.trainer)
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer,
         callbacks=callbacks,
