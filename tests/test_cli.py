@@ -50,7 +50,7 @@ def run_many(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
 
 def test_bad_input_on_the_command_line_is_one_line(tmp_path):
     missing = tmp_path / "nope.ckpt"
-    heads, no_ckpt, missing_ckpt, predict = run_many(
+    results = run_many(
         ("train.py", "model.num_heads=3", "model.embed_dim=64", f"hydra.run.dir={tmp_path / 't'}"),
         ("eval.py", f"hydra.run.dir={tmp_path / 'e1'}"),
         ("eval.py", f"ckpt_path={missing}", f"hydra.run.dir={tmp_path / 'e2'}"),
@@ -60,10 +60,22 @@ def test_bad_input_on_the_command_line_is_one_line(tmp_path):
             "images=[a.png]",
             f"hydra.run.dir={tmp_path / 'p'}",
         ),
+        # Hydra's own composition errors, before any of our code runs:
+        ("train.py", "model.num_head=4"),  # a typo: the nearest setting, not Hydra's "+"
+        ("train.py", "+model.num_heads=4"),  # + on a key that exists
+        ("train.py", "data=imagenet"),  # a group option that does not exist
+        ("train.py", "hydra.run.dir=/proc/no/such/dir"),  # a run dir that cannot be made
+        # The schema (vit_mnist/settings.py), before any work:
+        ("train.py", "data.split_seed=abc", f"hydra.run.dir={tmp_path / 's'}"),
+        ("eval.py", f"ckpt_path={missing}", "precision=fp8", f"hydra.run.dir={tmp_path / 'e3'}"),
     )
-    for result in (heads, no_ckpt, missing_ckpt, predict):
+    heads, no_ckpt, missing_ckpt, predict, typo, plus, group, run_dir, split, fp8 = results
+    for result in results:
         assert result.returncode == 2, result.stderr[-3000:]
         assert "Traceback" not in result.stderr + result.stdout
+    for result in (typo, plus, group, run_dir, split, fp8):
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("error: ")
     errors = [line for line in heads.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, heads.stderr
     assert "embed_dim=64" in errors[0] and "num_heads=3" in errors[0]
@@ -72,6 +84,13 @@ def test_bad_input_on_the_command_line_is_one_line(tmp_path):
     assert "ckpt_path is required" in no_ckpt.stderr
     assert str(missing) in missing_ckpt.stderr
     assert predict.stderr.strip().splitlines()[-1].startswith("error: checkpoint")
+    assert "did you mean model.num_heads? (model.num_heads=4)" in typo.stderr
+    assert "drop the + (model.num_heads=4)" in plus.stderr and "++model.num_heads=4" in plus.stderr
+    assert "data=imagenet is not an option" in group.stderr
+    assert all(name in group.stderr for name in ("mnist", "fashion_mnist", "synthetic"))
+    assert "/proc/no" in run_dir.stderr and "hydra.run.dir=PATH" in run_dir.stderr
+    assert "data.split_seed=abc must be a whole number" in split.stderr
+    assert "precision=fp8" in fp8.stderr and "bf16-mixed" in fp8.stderr
 
 
 def test_train_cli_with_user_overrides_then_eval(tmp_path):

@@ -42,6 +42,7 @@ from vit_mnist.checkpointing import (
 from vit_mnist.errors import ConfigError, exit_on_user_error
 from vit_mnist.io import save_figure, save_png, write_csv, write_metrics
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
+from vit_mnist.settings import EvalSettings, check_settings
 from vit_mnist.speed.hardware import describe_device, resolve_precision, uses_cuda
 
 log = logging.getLogger(__name__)
@@ -422,4 +423,5 @@ def analyse_faithfulness(
 @exit_on_user_error
 def main(cfg: DictConfig) -> dict[str, Any]:
     """The body of ``python eval.py``: ``evaluate(cfg)``, bad input reported in one line."""
+    check_settings(cfg, EvalSettings)
     return evaluate(cfg)

@@ -24,6 +24,7 @@ from vit_mnist.checkpointing import checkpoint_datamodule, read_checkpoint, reso
 from vit_mnist.errors import ConfigError, exit_on_user_error
 from vit_mnist.io import atomic_write_bytes
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
+from vit_mnist.settings import ExportSettings, check_settings
 
 log = logging.getLogger(__name__)
 
@@ -219,4 +220,5 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     """The body of ``python scripts/export.py ckpt_path=PATH format=onnx|torchscript``."""
     if OmegaConf.is_missing(cfg, "ckpt_path"):
         raise ConfigError("ckpt_path is required: scripts/export.py ckpt_path=PATH format=onnx")
+    check_settings(cfg, ExportSettings)
     return export(cfg)

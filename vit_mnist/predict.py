@@ -25,6 +25,7 @@ from vit_mnist.drawing import grey, labelled_grid, overlay
 from vit_mnist.errors import CheckpointError, ConfigError, exit_on_user_error
 from vit_mnist.io import save_png, write_csv
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
+from vit_mnist.settings import PredictSettings, check_settings
 
 log = logging.getLogger(__name__)
 
@@ -459,6 +460,7 @@ def main(cfg: DictConfig) -> list[Prediction]:
             "images is required: scripts/predict.py ckpt_path=PATH images=[a.png,b.jpg] "
             "(or images=my_digits/ for a folder)"
         )
+    check_settings(cfg, PredictSettings)
     specs = list(cfg.images) if isinstance(cfg.images, ListConfig) else [cfg.images]
     # The checkpoint first: a wrong ckpt_path is reported even when images are wrong too.
     module, data = load_model(resolve_ckpt_path(cfg))

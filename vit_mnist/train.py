@@ -31,6 +31,7 @@ from vit_mnist.errors import ConfigError, exit_on_user_error
 from vit_mnist.io import write_metrics
 from vit_mnist.models.vit import check_vit_args
 from vit_mnist.module import ViTClassifier, check_module_args
+from vit_mnist.settings import TrainSettings, check_settings
 from vit_mnist.speed.choose import check_speed_path, choose
 from vit_mnist.speed.hardware import describe_device, resolve_precision, uses_cuda
 
@@ -148,10 +149,6 @@ def check_config(cfg: DictConfig) -> None:
     Raises:
         ConfigError: one line naming the key, the value and what would be valid.
     """
-    seed = cfg.get("seed")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-        # seed_everything would truncate 1.5 to 1 while metrics.json recorded 1.5.
-        raise ConfigError(f"seed={seed!r} must be a whole number from 0 to 2**32 - 1, e.g. seed=1")
     model = _resolved(cfg.model)
     if "compile" in model:
         raise ConfigError(
@@ -159,12 +156,12 @@ def check_config(cfg: DictConfig) -> None:
             "one of the speed paths; use speed.path=compile (or speed.path=auto, the default, "
             "with speed.auto_compile=true to time it against the others)"
         )
+    # Every key's type and range (seed_everything would truncate seed=1.5 to 1 while
+    # metrics.json recorded 1.5); what follows checks values against each other.
+    check_settings(cfg, TrainSettings)
     check_vit_args(**model)
     check_speed_path((cfg.get("speed") or {}).get("path", "auto"))
     data = cfg.data
-    _positive_int("data.batch_size", data.get("batch_size"))
-    if data.get("num_workers", 0) < 0:
-        raise ConfigError(f"data.num_workers={data.num_workers} must be >= 0")
     if data.get("augment"):
         BatchAugment(**_resolved(data.augment))  # raises ConfigError on bad ranges
     try:
@@ -178,7 +175,6 @@ def check_config(cfg: DictConfig) -> None:
     if data.get("data_dir") is not None:
         _check_data_dir(str(data.data_dir), getattr(datamodule_cls, "folder", "MNIST"))
     check_module_args(**_resolved(cfg.module))
-    _positive_int("trainer.max_epochs", cfg.trainer.get("max_epochs"))
     _check_device(cfg.trainer)
     every = ((cfg.get("callbacks") or {}).get("last_checkpoint") or {}).get("every_n_train_steps")
     if every is not None:

@@ -1,0 +1,110 @@
+"""The schema of every setting (vit_mnist/settings.py): each shipped config passes it, and a
+bad value of any kind is one ConfigError naming the key and the value."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from tests.conftest import ROOT, compose_config
+from vit_mnist.errors import ConfigError
+from vit_mnist.settings import SETTINGS, check_settings
+
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
+
+
+GROUPS = ("data", "trainer", "experiment", "callbacks", "model", "module")
+
+
+@functools.lru_cache
+def composed(command: str, overrides: tuple[str, ...]) -> DictConfig:
+    name = {"evaluate": "eval"}.get(command, command)
+    return compose_config(name, list(overrides), Path("/nonexistent/run"))
+
+
+def check(command: str, overrides: list[str], tmp_path=None) -> dict:
+    """Compose once per choice of config groups, then set the other keys as an override
+    would (composing takes 0.3 s, setting a key microseconds)."""
+    groups = tuple(o for o in overrides if o.partition("=")[0] in GROUPS)
+    cfg = copy.deepcopy(composed(command, groups))
+    for override in overrides:
+        if override not in groups:
+            key, _, value = override.lstrip("+").partition("=")
+            OmegaConf.update(cfg, key, yaml.safe_load(value), force_add=True)
+    return check_settings(cfg, SETTINGS[command])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        *[[f"experiment={e}"] for e in EXPERIMENTS],
+        *[[f"data={d}"] for d in ("mnist", "fashion_mnist", "synthetic")],
+        *[[f"trainer={t}"] for t in ("cpu", "gpu", "ddp")],
+        ["callbacks=ema"],
+        ["+trainer.gradient_clip_val=1.0", "+trainer.accumulate_grad_batches=2"],
+        ["model.num_heads=[2,4,4,8,8,8]", "+model.head_dim=16", "seed=0"],
+        ["trainer.limit_train_batches=3", "trainer.limit_val_batches=0.5"],
+    ],
+)
+def test_every_shipped_train_config_passes(overrides):
+    check("train", overrides)
+
+
+def test_eval_predict_export_configs_pass():
+    check("evaluate", ["ckpt_path=latest", "analysis=heads", "precision=bf16-mixed"])
+    check("predict", ["ckpt_path=latest", "images=[a.png,b/]"])
+    check("export", ["ckpt_path=latest", "format=torchscript", "data=fashion_mnist"])
+
+
+BAD = [
+    # (command, overrides, words the one line must hold)
+    ("train", ["seed=abc"], ["seed=abc", "whole number", "seed=1"]),
+    ("train", ["seed=-1"], ["seed=-1", "in [0, 2**32)"]),
+    ("train", ["seed=1.5"], ["seed=1.5", "whole number"]),
+    ("train", ["data.split_seed=abc"], ["data.split_seed=abc", "whole number"]),
+    ("train", ["data=mnist", "data.val_size=abc"], ["data.val_size=abc", "whole number"]),
+    ("train", ["module.betas=[1.5,0.9]"], ["module.betas=[1.5,0.9]", "each value", "[0, 1)"]),
+    ("train", ["module.betas=[0.9]"], ["module.betas=[0.9]", "2 values"]),
+    ("train", ["module.weight_decay=abc"], ["module.weight_decay=abc", "a number"]),
+    ("train", ["trainer.check_val_every_n_epoch=0"], ["check_val_every_n_epoch=0", ">= 1"]),
+    ("train", ["trainer.accelerator=tpu"], ["trainer.accelerator=tpu", "'cpu'"]),
+    ("train", ["trainer.precision=fp8"], ["trainer.precision=fp8", "bf16-mixed"]),
+    ("train", ["trainer.devices=0"], ["trainer.devices=0", "auto"]),
+    ("train", ["trainer.limit_train_batches=1.5"], ["limit_train_batches=1.5", "[0, 1]"]),
+    ("train", ["+model.num_head=4"], ["model.num_head", "did you mean model.num_heads"]),
+    ("train", ["+foo=1"], ["foo is not a top-level setting"]),
+    ("train", ["+trainer.gradient_clip=1"], ["trainer.gradient_clip", "gradient_clip_val"]),
+    ("train", ["+data.num_train=5"], ["data.num_train", "MNISTDataModule"]),
+    ("train", ["+callbacks.lr_monitor.foo=1"], ["callbacks.lr_monitor.foo", "logging_interval"]),
+    ("train", ["model.num_heads=[2,0]"], ["model.num_heads=[2,0]", "positive integer"]),
+    ("train", ["model.attention_impl=foo"], ["model.attention_impl=foo", "explicit"]),
+    ("train", ["model.causal=maybe"], ["model.causal=maybe", "true or false"]),
+    ("train", ["data.augment.translate=2"], ["data.augment.translate=2", "[0, 1]"]),
+    ("train", ["data.augment.scale=[0,1]"], ["data.augment.scale=[0,1]", "> 0"]),
+    ("train", ["speed.cache=sometimes"], ["speed.cache=sometimes", "true or false"]),
+    ("evaluate", ["ckpt_path=x", "precision=fp8"], ["precision=fp8", "32-true"]),
+    ("evaluate", ["ckpt_path=x", "analysis=everything"], ["analysis=everything", "heads"]),
+    ("evaluate", ["ckpt_path=x", "prune.max_fraction=1"], ["prune.max_fraction=1", "(0, 1)"]),
+    ("evaluate", ["ckpt_path=x", "faithfulness.num_images=0"], ["num_images=0", ">= 1"]),
+    ("evaluate", [], ["ckpt_path is required"]),
+    ("predict", ["ckpt_path=x", "images=5"], ["images=5", "a folder"]),
+    ("export", ["ckpt_path=x", "opset=abc"], ["opset=abc", "whole number"]),
+    ("export", ["ckpt_path=x", "format=tflite"], ["format=tflite", "onnx"]),
+    ("export", ["ckpt_path=x", "data=mnist", "data.batch_size=0"], ["data.batch_size=0"]),
+]
+
+
+@pytest.mark.parametrize(("command", "overrides", "words"), BAD)
+def test_a_bad_setting_is_one_line_naming_key_value_and_fix(command, overrides, words):
+    with pytest.raises(ConfigError) as info:
+        check(command, overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, message
