@@ -171,21 +171,25 @@ def test_launcher_writes_one_run_dir_per_job(tmp_path, launcher, plugin):
     assert sorted(heads) == [2, 4]
 
 
-def test_ddp_inside_a_local_multirun_is_refused(tmp_path):
+def test_ddp_inside_a_local_multirun_trains_each_job_on_two_processes(tmp_path):
     result = run_train(
         "-m",
         "trainer=ddp",
         "trainer.accelerator=cpu",
         "trainer.devices=2",
         *TINY,
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=2",
+        "test=false",
+        "speed.path=reference",
+        "trainer.precision=32-true",
         f"hydra.sweep.dir={tmp_path}",
     )
-    # The sweep's one job fails on its setting: recorded in its run dir, exit status 1.
-    assert result.returncode == 1, result.stderr[-3000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error in job")]
-    assert len(errors) == 1 and "multirun" in errors[0] and "hydra/launcher=slurm" in errors[0]
-    assert (tmp_path / "0" / "failed.json").is_file()
-    assert not list(tmp_path.glob("*/checkpoints"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "0" / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["global_steps"] > 0
+    # The second process ran this job, in this job's run dir: no second sweep, no stray dir.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "multirun.yaml"]
 
 
 def test_slurm_launcher_preset_composes():
@@ -201,3 +205,29 @@ def test_slurm_launcher_preset_composes():
     assert launcher._target_.endswith("SlurmLauncher")
     assert launcher.partition == "gpu" and launcher.tasks_per_node == 1
     assert launcher.gpus_per_node == 1
+
+
+def test_ddp_in_a_local_multirun_starts_its_processes_as_this_job(monkeypatch, tmp_path):
+    """Lightning starts DDP's second process by running sys.argv again in HydraConfig's
+    run.dir: in a multirun that would be the whole sweep, in a folder not the job's. The
+    job's own overrides in RUN mode and its run dir go there instead, and what the job
+    before it left behind (Lightning's rank variables) is cleared, else Lightning would
+    take this process for a child and start none."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from vit_mnist.train import _prepare_ddp_launch
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", ["trainer=ddp", "seed=2"], return_hydra_config=True)
+    cfg.hydra.mode = RunMode.MULTIRUN
+    cfg.hydra.runtime.output_dir = str(tmp_path / "sweep" / "1")
+    HydraConfig().set_config(cfg)
+    monkeypatch.setattr(sys, "argv", ["train.py", "-m", "seed=1,2"])
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _prepare_ddp_launch(cfg.trainer)
+    assert sys.argv == ["train.py", "trainer=ddp", "seed=2", "hydra.mode=RUN"]
+    assert HydraConfig.get().run.dir == str(tmp_path / "sweep" / "1")
+    assert "LOCAL_RANK" not in os.environ and "WORLD_SIZE" not in os.environ
