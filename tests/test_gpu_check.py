@@ -1,0 +1,36 @@
+"""scripts/gpu_check.py: one line and exit 0 without CUDA; its commands are valid settings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from scripts.gpu_check import NO_CUDA, steps
+from tests.conftest import ROOT, compose_config
+from vit_mnist.settings import SETTINGS, check_settings
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_without_cuda_it_prints_one_line_and_exits_0():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_check.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0
+    assert result.stdout.strip().splitlines() == [NO_CUDA]
+
+
+def test_every_training_command_of_the_check_is_valid(tmp_path):
+    train, _, _, _, speedrun = steps(tmp_path, speedrun_seeds=10)
+    overrides = [a for a in train.command if "=" in a and not a.startswith("hydra.")]
+    check_settings(compose_config("train", overrides, tmp_path), SETTINGS["train"])
+    seed_overrides = [a for a in speedrun.command if "=" in a]
+    cfg = compose_config("train", ["experiment=speedrun", *seed_overrides], tmp_path)
+    check_settings(cfg, SETTINGS["train"])
+    assert cfg.trainer.devices == 1 and cfg.trainer.strategy == "auto"
+    assert "--seeds" in speedrun.command and "10" in speedrun.command
