@@ -1,19 +1,90 @@
-"""Markdown results table (and the heads plot) from training run dirs.
+"""Markdown results table (and the heads sweep's tables and plots) from training run dirs.
 
 python scripts/results.py outputs/mnist_best/multiruns/<time> outputs/fashion_best/multiruns/<time>
 python scripts/results.py outputs/heads_sweep/multiruns/<time> --plot docs/heads_sweep.png
+python scripts/results.py outputs/heads_sweep/multiruns/<time> --analyse-heads \
+    --heads-report docs/results.md
 
 Runs that differ only in `seed` make one row: test accuracy as mean +- std over the seeds.
 The table goes to stdout (or --out FILE); the README's results section is this output.
+
+--analyse-heads runs `python eval.py analysis=heads` on each run's best checkpoint (into
+<run dir>/heads/, skipped where it is there already): per head the accuracy drop when it
+is zeroed, its attention entropy and mean attention distance. --heads-report then writes
+the heads table, docs/heads_sweep.png (accuracy) and docs/heads_sweep_heads.png (per head)
+into the given Markdown file, between the markers HEADS_START and HEADS_END.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
-from vit_mnist.results import find_failed, find_runs, group_rows, heads_plot, markdown_table
+from vit_mnist.io import atomic_write_bytes
+from vit_mnist.results import (
+    HEADS_FILE,
+    find_failed,
+    find_runs,
+    group_rows,
+    heads_plot,
+    heads_sweep_figure,
+    heads_sweep_table,
+    markdown_table,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADS_START = "<!-- heads sweep: written by scripts/results.py --heads-report -->"
+HEADS_END = "<!-- end of the heads sweep -->"
+
+
+def analyse_heads(runs) -> None:
+    """``eval.py analysis=heads`` on every run's best checkpoint that has no analysis yet."""
+    for run in runs:
+        if (run.path / HEADS_FILE).is_file():
+            continue
+        ckpt = run.metrics.get("best_ckpt") or str(run.path / "checkpoints" / "last.ckpt")
+        print(f"analysing the heads of {ckpt}", file=sys.stderr, flush=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "eval.py"),
+                f"ckpt_path={ckpt}",
+                "analysis=heads",
+                f"hydra.run.dir={run.path / 'heads'}",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+
+
+def write_heads_report(rows, report: Path) -> None:
+    """Put the heads table and plots into ``report`` between the markers (appended once)."""
+    accuracy_png = report.parent / "heads_sweep.png"
+    heads_png = report.parent / "heads_sweep_heads.png"
+    heads_plot(rows, accuracy_png, "heads sweep: test accuracy")
+    heads_sweep_figure(rows, heads_png)
+    section = "\n".join(
+        [
+            HEADS_START,
+            "",
+            heads_sweep_table(rows).rstrip(),
+            "",
+            f"![Test accuracy against the number of heads]({accuracy_png.name})",
+            "",
+            f"![Entropy, distance and importance of every head]({heads_png.name})",
+            "",
+            HEADS_END,
+        ]
+    )
+    text = report.read_text() if report.exists() else ""
+    if HEADS_START in text and HEADS_END in text:
+        before, _, rest = text.partition(HEADS_START)
+        text = before + section + rest.partition(HEADS_END)[2]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    atomic_write_bytes(report, text.encode())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,12 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the table here instead of stdout")
     parser.add_argument("--plot", type=Path, help="PNG of test accuracy against num_heads")
     parser.add_argument("--title", default="heads sweep", help="title of the plot")
+    parser.add_argument(
+        "--analyse-heads", action="store_true", help="run eval.py analysis=heads on each run"
+    )
+    parser.add_argument("--heads-report", type=Path, help="Markdown file for the heads tables")
     args = parser.parse_args(argv)
     try:
-        rows = group_rows(find_runs(args.run_dirs))
+        runs = find_runs(args.run_dirs)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    rows = group_rows(runs)
     table = markdown_table(rows)
     failed = find_failed(args.run_dirs)
     if failed:
@@ -37,13 +113,18 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(table)
     else:
         print(table, end="")
+    heads = {str(row.first["model"]["num_heads"]) for row in rows}
+    if (args.plot or args.heads_report) and len(heads) < 2:
+        print(f"error: the heads plots need several num_heads, got {heads}", file=sys.stderr)
+        return 2
     if args.plot:
-        heads = {row.first["model"]["num_heads"] for row in rows}
-        if len(heads) < 2:
-            print(f"error: --plot needs runs with several num_heads, got {heads}", file=sys.stderr)
-            return 2
         heads_plot(rows, args.plot, args.title)
         print(f"wrote {args.plot}", file=sys.stderr)
+    if args.analyse_heads:
+        analyse_heads(runs)
+    if args.heads_report:
+        write_heads_report(rows, args.heads_report)
+        print(f"wrote the heads sweep into {args.heads_report}", file=sys.stderr)
     return 0
 
 

@@ -109,8 +109,8 @@ def find_runs(paths: Iterable[str | Path]) -> list[Run]:
             if not overrides_file.is_file():
                 continue  # an eval or export dir, not a training run
             metrics = json.loads(metrics_file.read_text())
-            if "test/acc" not in metrics or "seed" not in metrics:
-                continue
+            if "test/acc" not in metrics or "seed" not in metrics or "epochs" not in metrics:
+                continue  # an evaluation (eval.py) inside a run dir, not a training run
             overrides = yaml.safe_load(overrides_file.read_text()) or []
             runs.append(Run(run_dir, metrics, [str(o) for o in overrides], index))
     if not runs:
@@ -211,6 +211,113 @@ def heads_plot(rows: Sequence[Row], out: Path, title: str) -> Path:
     ax.set_ylabel("test accuracy, % (mean ± std over seeds)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    save_figure(fig, out)
+    return out
+
+
+HEADS_FILE = "heads/head_importance.csv"  # eval.py analysis=heads, run in <run dir>/heads
+
+
+def _percentiles(values: Sequence[float]) -> str:
+    """``median (10th-90th percentile)`` of ``values``."""
+    q = statistics.quantiles(values, n=10, method="inclusive") if len(values) > 1 else None
+    median = statistics.median(values)
+    return f"{median:.2f} ({q[0]:.2f}-{q[-1]:.2f})" if q else f"{median:.2f}"
+
+
+def heads_of(run: Run) -> list[dict[str, float]]:
+    """The per-head rows of ``eval.py analysis=heads`` for this run (``<run>/heads/``):
+    ``layer``, ``head``, ``acc_drop`` (fraction), ``loss_increase``, ``entropy_nats``,
+    ``mean_distance_px``; empty when the analysis has not been run."""
+    import csv
+
+    path = run.path / HEADS_FILE
+    if not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in rows]
+
+
+def heads_sweep_table(rows: Sequence[Row]) -> str:
+    """One line per head count: accuracy, its gap to training, fitting time, and the per-head
+    attention entropy, distance and importance over every head of every seed."""
+    header = [
+        "heads",
+        "head_dim",
+        "seeds",
+        "test acc % (mean +- std)",
+        "best val acc % (mean)",
+        "train - val acc at the end (pp, mean)",
+        "fitting time (s, mean)",
+        "entropy, nats: median (10th-90th pct.)",
+        "mean attention distance, px: median (10th-90th pct.)",
+        "acc drop when zeroed, pp: median (max)",
+    ]
+    out = io.StringIO()
+    out.write("| " + " | ".join(header) + " |\n|" + " --- |" * len(header) + "\n")
+    for row in sorted(rows, key=lambda r: int(r.first["model"]["num_heads"])):
+        model = row.first["model"]
+        mean, std = row.test_acc
+        gaps = [
+            100 * (float(r.metrics["train/acc"]) - float(r.metrics["val/acc"]))
+            for r in row.runs
+            if r.metrics.get("train/acc") is not None and r.metrics.get("val/acc") is not None
+        ]
+        per_head = [h for r in row.runs for h in heads_of(r)]
+        drops = [100 * h["acc_drop"] for h in per_head]
+        cells = [
+            str(model["num_heads"]),
+            str(model["embed_dim"] // int(model["num_heads"])),
+            str(len(row.runs)),
+            f"{mean:.2f} +- {std:.2f}",
+            f"{100 * statistics.fmean(row._values('val/acc_best')):.2f}",
+            f"{statistics.fmean(gaps):+.2f}" if gaps else "-",
+            _seconds(statistics.fmean(row._values("train_time_s"))),
+            _percentiles([h["entropy_nats"] for h in per_head]) if per_head else "-",
+            _percentiles([h["mean_distance_px"] for h in per_head]) if per_head else "-",
+            f"{statistics.median(drops):.2f} ({max(drops):.2f})" if drops else "-",
+        ]
+        out.write("| " + " | ".join(cells) + " |\n")
+    return out.getvalue()
+
+
+def heads_sweep_figure(rows: Sequence[Row], out: Path) -> Path:
+    """Per-head entropy, mean attention distance and accuracy drop against the number of
+    heads: one dot per head of every seed and layer, the median as a line (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from vit_mnist.io import save_figure
+
+    panels = [
+        ("entropy_nats", 1.0, "attention entropy (nats)"),
+        ("mean_distance_px", 1.0, "mean attention distance (px)"),
+        ("acc_drop", 100.0, "test acc drop when zeroed (pp)"),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4), dpi=120)
+    ordered = sorted(rows, key=lambda r: int(r.first["model"]["num_heads"]))
+    heads = [int(r.first["model"]["num_heads"]) for r in ordered]
+    for ax, (key, scale, label) in zip(axes, panels, strict=True):
+        medians = []
+        for i, row in enumerate(ordered):
+            values = [scale * h[key] for r in row.runs for h in heads_of(r)]
+            if not values:
+                medians.append(float("nan"))
+                continue
+            jitter = [i + 0.25 * ((k * 0.618) % 1 - 0.5) for k in range(len(values))]
+            ax.scatter(jitter, values, s=6, alpha=0.35, color="tab:blue")
+            medians.append(statistics.median(values))
+        ax.plot(range(len(ordered)), medians, color="tab:red", marker="o", label="median")
+        ax.set_xticks(range(len(ordered)), [str(h) for h in heads])
+        ax.set_xlabel("num_heads")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("every head of every layer and seed (dots) and the median (line)", fontsize=9)
     fig.tight_layout()
     save_figure(fig, out)
     return out
