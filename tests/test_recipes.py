@@ -202,6 +202,8 @@ def fake_run(path, *, heads, seed, acc, val=0.9, dataset="mnist"):
         "precision": "32-true",
         "train_time_s": 100.0 + seed,
         "model": {"num_heads": heads, "embed_dim": 64},
+        "train/acc": acc + 0.01,
+        "val/acc": val,
     }
     (path / "metrics.json").write_text(json.dumps(metrics))
 
@@ -224,6 +226,32 @@ def test_results_table_groups_seeds_and_reports_mean_and_std(tmp_path):
     assert table.count("\n") == 2 + 2
     png = heads_plot(rows, tmp_path / "heads.png", "test")
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_heads_report_summarises_every_head_and_replaces_its_own_section(tmp_path):
+    from scripts.results import HEADS_END, HEADS_START, write_heads_report
+    from vit_mnist.results import heads_sweep_table
+
+    for job, heads in enumerate([1, 4]):
+        run = tmp_path / "sweep" / str(job)
+        fake_run(run, heads=heads, seed=1, acc=0.98)
+        (run / "heads").mkdir()
+        lines = ["layer,head,acc_drop,loss_increase,entropy_nats,mean_distance_px"]
+        lines += [f"0,{h},{0.01 * (h + 1)},0.1,{1.0 + h},{5.0 * (h + 1)}" for h in range(heads)]
+        (run / "heads" / "head_importance.csv").write_text("\n".join(lines) + "\n")
+    rows = group_rows(find_runs([tmp_path / "sweep"]))
+    table = heads_sweep_table(rows)
+    # 4 heads: distances 5, 10, 15, 20 px -> median 12.50, 10th-90th percentile 6.50-18.50.
+    assert "| 4 | 16 | 1 | 98.00 +- 0.00 | 90.00 | +9.00 | 101 |" in table
+    assert "12.50 (6.50-18.50)" in table and "2.50 (4.00)" in table
+    report = tmp_path / "docs" / "results.md"
+    report.parent.mkdir()
+    report.write_text("# Results\n\nkept\n")
+    write_heads_report(rows, report)
+    write_heads_report(rows, report)  # a second run replaces the section, never appends
+    text = report.read_text()
+    assert text.count(HEADS_START) == 1 and text.count(HEADS_END) == 1 and "kept" in text
+    assert (report.parent / "heads_sweep_heads.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_results_script_without_runs_is_one_line(tmp_path):

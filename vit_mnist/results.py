@@ -55,6 +55,11 @@ class Row:
     def first(self) -> dict[str, Any]:
         return self.runs[0].metrics
 
+    def fit_times(self) -> list[float]:
+        """Seconds from the first training step to the end of the last (``fit_time_s``; the
+        whole ``trainer.fit`` for runs from before that was recorded)."""
+        return self._values("fit_time_s") or self._values("train_time_s")
+
     @property
     def test_acc(self) -> tuple[float, float]:
         """Mean and sample standard deviation (0 for one seed) of test accuracy, in %."""
@@ -75,7 +80,7 @@ class Row:
         seeds = sorted(r.seed for r in self.runs)
         mean, std = self.test_acc
         val = self._values("val/acc_best")
-        fit = self._values("train_time_s")
+        fit = self.fit_times()
         return [
             DATASET_NAMES.get(m.get("dataset"), str(m.get("dataset"))),
             str(m.get("experiment") or "-"),
@@ -274,7 +279,7 @@ def heads_sweep_table(rows: Sequence[Row]) -> str:
             f"{mean:.2f} +- {std:.2f}",
             f"{100 * statistics.fmean(row._values('val/acc_best')):.2f}",
             f"{statistics.fmean(gaps):+.2f}" if gaps else "-",
-            _seconds(statistics.fmean(row._values("train_time_s"))),
+            _seconds(statistics.fmean(row.fit_times())),
             _percentiles([h["entropy_nats"] for h in per_head]) if per_head else "-",
             _percentiles([h["mean_distance_px"] for h in per_head]) if per_head else "-",
             f"{statistics.median(drops):.2f} ({max(drops):.2f})" if drops else "-",
