@@ -120,8 +120,10 @@ _OPEN_SECTIONS = ("trainer", "callbacks", "logger", "data")
 
 def _unknown_override(key: str, text: str, command: str) -> str:
     """``model.num_head=4``: the nearest setting, or how to add an argument with ``+``."""
-    from vit_mnist.settings import SETTINGS, known_keys
+    from vit_mnist.settings import RETIRED, SETTINGS, known_keys
 
+    if key in RETIRED:
+        return f"{key} {RETIRED[key]}"
     assignment = re.search(r"use \+(\S+)", text)
     value = assignment.group(1).partition("=")[2] if assignment else "..."
     section, _, name = key.rpartition(".")

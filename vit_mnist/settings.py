@@ -278,6 +278,14 @@ SETTINGS: dict[str, type] = {
     "export": ExportSettings,
 }
 
+# Keys of earlier versions, and what replaced them.
+RETIRED: dict[str, str] = {
+    "model.compile": (
+        "is no longer a model setting: torch.compile is one of the speed paths; use "
+        "speed.path=compile (or speed.path=auto with speed.auto_compile=true to time it)"
+    ),
+}
+
 # Sections that take keys beyond the dataclass, each then checked against its _target_.
 _OPEN = ("trainer",)
 # Hydra instantiation keys, not arguments of the target.
@@ -352,6 +360,8 @@ def known_keys(schema: type, section: str) -> list[str]:
 
 
 def _unknown_key(key: str, schema: type, extra: Sequence[str] = ()) -> ConfigError:
+    if key in RETIRED:
+        return ConfigError(f"{key} {RETIRED[key]}")
     section, _, name = key.rpartition(".")
     candidates = [*known_keys(schema, section), *extra]
     close = difflib.get_close_matches(name, candidates, n=1)
@@ -517,6 +527,7 @@ __all__ = [
     "EvalSettings",
     "ExportSettings",
     "PredictSettings",
+    "RETIRED",
     "SETTINGS",
     "TrainSettings",
     "check_settings",

@@ -149,16 +149,10 @@ def check_config(cfg: DictConfig) -> None:
     Raises:
         ConfigError: one line naming the key, the value and what would be valid.
     """
-    model = _resolved(cfg.model)
-    if "compile" in model:
-        raise ConfigError(
-            f"model.compile={model['compile']} is no longer a model setting: torch.compile is "
-            "one of the speed paths; use speed.path=compile (or speed.path=auto, the default, "
-            "with speed.auto_compile=true to time it against the others)"
-        )
     # Every key's type and range (seed_everything would truncate seed=1.5 to 1 while
     # metrics.json recorded 1.5); what follows checks values against each other.
     check_settings(cfg, TrainSettings)
+    model = _resolved(cfg.model)
     check_vit_args(**model)
     check_speed_path((cfg.get("speed") or {}).get("path", "auto"))
     data = cfg.data
