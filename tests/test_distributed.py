@@ -46,16 +46,21 @@ def read_events(run_dir: Path) -> tuple[dict[str, list[float]], EventAccumulator
 
 
 @pytest.mark.slow
-def test_ddp_on_two_cpu_processes(tmp_path):
-    run_dir = tmp_path / "ddp"
+def test_ddp_on_two_cpu_processes_inside_a_multirun(tmp_path):
+    """A one-job `-m` sweep: Lightning starts DDP's second process by running the command
+    line again, which here is the sweep; the job must run as itself, in its own run dir."""
     result = run_train(
+        "-m",
         "trainer=ddp",
         "trainer.accelerator=cpu",
         "trainer.devices=2",
         *TINY,
-        f"hydra.run.dir={run_dir}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
     )
     assert result.returncode == 0, result.stderr[-4000:]
+    # No second sweep and no stray run dir: the second process ran this job, here.
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["0", "multirun.yaml"]
+    run_dir = tmp_path / "sweep" / "0"
     if len(os.sched_getaffinity(0)) == os.cpu_count() >= 2:  # pin_to_cores' conditions
         train_log = (run_dir / "train.log").read_text()
         cores = sorted(os.sched_getaffinity(0))
@@ -169,27 +174,6 @@ def test_launcher_writes_one_run_dir_per_job(tmp_path, launcher, plugin):
         assert f"model.num_heads={metrics['model']['num_heads']}" in overrides
         assert next((job / "checkpoints").glob("best-*.ckpt"))
     assert sorted(heads) == [2, 4]
-
-
-def test_ddp_inside_a_local_multirun_trains_each_job_on_two_processes(tmp_path):
-    result = run_train(
-        "-m",
-        "trainer=ddp",
-        "trainer.accelerator=cpu",
-        "trainer.devices=2",
-        *TINY,
-        "trainer.max_epochs=1",
-        "trainer.limit_train_batches=2",
-        "test=false",
-        "speed.path=reference",
-        "trainer.precision=32-true",
-        f"hydra.sweep.dir={tmp_path}",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    metrics = json.loads((tmp_path / "0" / "metrics.json").read_text())
-    assert metrics["world_size"] == 2 and metrics["global_steps"] > 0
-    # The second process ran this job, in this job's run dir: no second sweep, no stray dir.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "multirun.yaml"]
 
 
 def test_slurm_launcher_preset_composes():
