@@ -47,7 +47,10 @@ def analyse_heads(runs, test_fraction: float) -> None:
     for run in runs:
         if (run.path / HEADS_FILE).is_file():
             continue
-        ckpt = run.metrics.get("best_ckpt") or str(run.path / "checkpoints" / "last.ckpt")
+        # By name inside the run dir: the absolute path in metrics.json is stale once a
+        # run dir has been moved or copied.
+        name = Path(run.metrics.get("best_ckpt") or "last.ckpt").name
+        ckpt = run.path / "checkpoints" / name
         print(f"analysing the heads of {ckpt}", file=sys.stderr, flush=True)
         subprocess.run(
             [
