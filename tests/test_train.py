@@ -182,15 +182,16 @@ def test_eval_rejects_foreign_torch_file(tmp_path):
 @pytest.mark.parametrize(
     ("threads", "processes", "expected"),
     [
-        (2, 1, "cpu (CPU, 2 threads)"),
-        (1, 1, "cpu (CPU, 1 thread)"),
-        (1, 2, "cpu (CPU, 2 processes x 1 thread)"),
-        (4, 2, "cpu (CPU, 2 processes x 4 threads)"),
+        (2, 1, "cpu (CPU, AVX2, 2 threads)"),
+        (1, 1, "cpu (CPU, AVX2, 1 thread)"),
+        (1, 2, "cpu (CPU, AVX2, 2 processes x 1 thread)"),
+        (4, 2, "cpu (CPU, AVX2, 2 processes x 4 threads)"),
     ],
 )
 def test_device_line_names_threads_and_processes(monkeypatch, threads, processes, expected):
     from vit_mnist.speed import hardware
 
     monkeypatch.setattr(hardware, "cpu_name", lambda: "CPU")
+    monkeypatch.setattr(hardware, "cpu_class", lambda: "AVX2")
     monkeypatch.setattr(hardware.torch, "get_num_threads", lambda: threads)
     assert hardware.describe_device(torch.device("cpu"), processes) == expected

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,18 @@ class Run:
     @property
     def seed(self) -> int:
         return int(self.metrics["seed"])
+
+    def device(self) -> str:
+        """``metrics.json``'s device line, with the CPU class (AVX2, AVX512-BF16, ...) that
+        runs from before it was recorded there have only in their log's speed line."""
+        device = str(self.metrics.get("device"))
+        if not device.startswith("cpu (") or re.search(r"AVX|AMX|ARM", device):
+            return device
+        for log in sorted(self.path.glob("*.log")):
+            found = re.search(r"speed path: .*?\(.*?\((AMX|AVX[\w-]*|ARM[^)]*)\)", log.read_text())
+            if found:
+                return device.replace(", ", f", {found.group(1)}, ", 1)
+        return device
 
     def command(self) -> str:
         """``python train.py`` with this run's overrides, seed and Hydra's own left out."""
@@ -86,7 +99,7 @@ class Row:
             str(m.get("experiment") or "-"),
             f"{m['num_params'] / 1e6:.2f}M",
             str(m.get("epochs")),
-            f"{m.get('device')}, {m.get('precision')}",
+            f"{self.runs[0].device()}, {m.get('precision')}",
             _seconds(statistics.fmean(fit)) if fit else "-",
             f"{mean:.2f} +- {std:.2f} (n={len(seeds)})",
             f"{100 * statistics.fmean(val):.2f}" if val else "-",

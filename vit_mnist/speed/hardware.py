@@ -144,8 +144,9 @@ def pin_to_cores(local_rank: int, local_world_size: int) -> list[int] | None:
 
 
 def describe_device(device: torch.device, processes: int = 1) -> str:
-    """A human-readable device line: ``cpu (AMD EPYC, 2 threads)``, or with ``processes``
-    above 1 (DDP on one machine), ``cpu (AMD EPYC, 2 processes x 1 thread)``; on CUDA
+    """A human-readable device line: ``cpu (AMD EPYC, AVX512-BF16, 2 threads)`` (the CPU
+    class as :func:`cpu_class` gives it), or with ``processes`` above 1 (DDP on one
+    machine), ``cpu (AMD EPYC, AVX512-BF16, 2 processes x 1 thread)``; on CUDA
     ``cuda (NVIDIA H100 80GB HBM3)``, with ``2 x`` in front for two processes."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -153,5 +154,5 @@ def describe_device(device: torch.device, processes: int = 1) -> str:
     threads = torch.get_num_threads()
     per_process = f"{threads} thread{'s' if threads != 1 else ''}"
     if processes == 1:
-        return f"cpu ({cpu_name()}, {per_process})"
-    return f"cpu ({cpu_name()}, {processes} processes x {per_process})"
+        return f"cpu ({cpu_name()}, {cpu_class()}, {per_process})"
+    return f"cpu ({cpu_name()}, {cpu_class()}, {processes} processes x {per_process})"
