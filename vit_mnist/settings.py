@@ -422,21 +422,29 @@ def _walk_ranges(cls: type, values: Any, prefix: str) -> None:
             _check_range(key, values[f.name], dict(f.metadata))
 
 
+def _target_parameters(target: str) -> Any:
+    """The parameters of the class or function a ``_target_`` names (None when it has no
+    signature); whatever Hydra raises for a path it cannot import passes through."""
+    from hydra.utils import get_object
+
+    found = get_object(target)
+    try:
+        return inspect.signature(found).parameters
+    except (TypeError, ValueError):
+        return None
+
+
 def _check_target(key: str, node: Any) -> None:
     """Every key of an instantiated section must be an argument of its ``_target_``."""
     if not isinstance(node, dict) or "_target_" not in node:
         return
-    from hydra.utils import get_object
-
     try:
-        target = get_object(node["_target_"])
+        params = _target_parameters(node["_target_"])
     except Exception as e:  # noqa: BLE001 - Hydra raises several types for a bad path
         raise ConfigError(
             f"{key}._target_={node['_target_']} cannot be imported ({e}); check its spelling"
         ) from None
-    try:
-        params = inspect.signature(target).parameters
-    except (TypeError, ValueError):
+    if params is None:
         return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
@@ -515,10 +523,8 @@ def _target_args(values: dict[str, Any], key: str) -> list[str]:
     node = _lookup(values, section)
     if not isinstance(node, dict) or "_target_" not in node:
         return []
-    from hydra.utils import get_object
-
     try:
-        return list(inspect.signature(get_object(node["_target_"])).parameters)
+        return list(_target_parameters(node["_target_"]) or [])
     except Exception:  # noqa: BLE001 - only for the hint
         return []
 
