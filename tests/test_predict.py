@@ -19,6 +19,7 @@ from tests.conftest import TINY_MODEL, compose_config
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
 from vit_mnist.predict import (
     CSV_COLUMNS,
+    LIST_AT_MOST,
     collect_images,
     load_model,
     main,
@@ -197,22 +198,23 @@ def test_batches_match_one_pass_and_stems_stay_distinct(tiny_ckpt, tmp_path):
     assert len({s.casefold() for s in stems}) == len(stems), stems
 
 
-def test_a_folder_of_200_pngs_gives_200_rows(tiny_ckpt, tmp_path, capsys):
+def test_a_folder_of_pngs_gives_one_row_each_and_a_summary(tiny_ckpt, tmp_path, capsys):
     # `python scripts/predict.py ckpt_path=... images=<folder>` without the process start-up
     # (the command line itself is tested in tests/test_cli.py).
-    folder = tmp_path / "digits200"
-    for i in range(200):
+    # More than LIST_AT_MOST images: one row each, and a summary instead of a line each.
+    count = LIST_AT_MOST + 10
+    folder = tmp_path / "digits"
+    for i in range(count):
         draw_digit(folder / f"digit_{i:03d}.png", seed=i, size=32)
     run_dir = tmp_path / "run"
     code, rows = predict(tiny_ckpt, str(folder), run_dir)
     assert code == 0
-    assert len(rows) == 200
+    assert len(rows) == count
     assert [r["path"] for r in rows] == [str(p) for p in sorted(folder.iterdir())]
     assert all(r["error"] == "" and TOP3.match(r["top3"]) for r in rows)
-    assert len(list(run_dir.glob("*_attention.png"))) == 200
-    # A summary instead of 200 lines.
+    assert len(list(run_dir.glob("*_attention.png"))) == count
     out = capsys.readouterr().out
-    assert "200 of 200 images predicted" in out
+    assert f"{count} of {count} images predicted" in out
     assert f"predictions: {run_dir / 'predictions.csv'}" in out
     assert len(out.strip().splitlines()) <= 3, out
 

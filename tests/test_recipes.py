@@ -155,7 +155,7 @@ def test_stochastic_depth_rates_and_modes():
 # ---------------------------------------------------------------- experiments
 
 
-@pytest.mark.parametrize("name", ["mnist_best", "fashion_best"])
+@pytest.mark.parametrize("name", ["mnist_best", "fashion_best", "mnist_cpu_best"])
 def test_best_recipes_stay_under_two_million_parameters(tmp_path, name):
     cfg = compose_config("train", [f"experiment={name}"], tmp_path)
     model = VisionTransformer(**{k: v for k, v in cfg.model.items() if k != "compile"})
@@ -165,6 +165,8 @@ def test_best_recipes_stay_under_two_million_parameters(tmp_path, name):
     assert isinstance(dm, expected) and dm.augment is not None
     # The checkpoint that is tested is chosen on the validation split.
     assert cfg.callbacks.model_checkpoint.monitor == "val/acc"
+    if name == "mnist_cpu_best":  # ... from every epoch, not only the last (the speedrun's)
+        assert cfg.trainer.check_val_every_n_epoch == 1 < cfg.trainer.max_epochs
 
 
 def test_heads_sweep_is_a_multirun_over_heads_and_seeds():
