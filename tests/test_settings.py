@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,8 @@ BAD = [
     ("train", ["+trainer.gradient_clip=1"], ["trainer.gradient_clip", "gradient_clip_val"]),
     ("train", ["+data.num_train=5"], ["data.num_train", "MNISTDataModule"]),
     ("train", ["+callbacks.lr_monitor.foo=1"], ["callbacks.lr_monitor.foo", "logging_interval"]),
+    ("train", ["data._target_=vit_mnist.data.MNISTData"], ["vit_mnist.data has no 'MNISTData'"]),
+    ("train", ["data._target_=vit_mnist.dat.MNIST"], ["data._target_=vit_mnist.dat.MNIST"]),
     ("train", ["model.num_heads=[2,0]"], ["model.num_heads=[2,0]", "positive integer"]),
     ("train", ["model.attention_impl=foo"], ["model.attention_impl=foo", "explicit"]),
     ("train", ["model.causal=maybe"], ["model.causal=maybe", "true or false"]),
@@ -101,10 +104,12 @@ BAD = [
 
 
 @pytest.mark.parametrize(("command", "overrides", "words"), BAD)
-def test_a_bad_setting_is_one_line_naming_key_value_and_fix(command, overrides, words):
+def test_a_bad_setting_is_one_line_naming_key_value_and_fix(command, overrides, words, caplog):
     with pytest.raises(ConfigError) as info:
         check(command, overrides)
     message = str(info.value)
     assert "\n" not in message
+    # ... and only that line: nothing logged on the way (Hydra's get_object logs an ERROR).
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     for word in words:
         assert word in message, message

@@ -17,6 +17,7 @@ this by the entry point (``vit_mnist.train.check_config``).
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -422,12 +423,33 @@ def _walk_ranges(cls: type, values: Any, prefix: str) -> None:
             _check_range(key, values[f.name], dict(f.metadata))
 
 
+def _import_target(target: str) -> Any:
+    """The object a dotted ``_target_`` path names, as Hydra's ``instantiate`` finds it.
+
+    Raises ImportError naming the first part of the path that does not exist. (Hydra's own
+    ``get_object`` also logs an ERROR over several lines, before the one-line message.)
+    """
+    parts = target.split(".")
+    for i in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:i])
+        try:
+            found = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name is not None and module_name.startswith(e.name):
+                continue  # this prefix is not a module: try a shorter one
+            raise  # the module exists but imports something that does not
+        for depth, attr in enumerate(parts[i:], start=i):
+            if not hasattr(found, attr):
+                raise ImportError(f"{'.'.join(parts[:depth])} has no {attr!r}")
+            found = getattr(found, attr)
+        return found
+    raise ImportError(f"no module named {parts[0]!r}")
+
+
 def _target_parameters(target: str) -> Any:
     """The parameters of the class or function a ``_target_`` names (None when it has no
-    signature); whatever Hydra raises for a path it cannot import passes through."""
-    from hydra.utils import get_object
-
-    found = get_object(target)
+    signature); ImportError (from :func:`_import_target`) for a path that does not exist."""
+    found = _import_target(target)
     try:
         return inspect.signature(found).parameters
     except (TypeError, ValueError):
@@ -442,7 +464,8 @@ def _check_target(key: str, node: Any) -> None:
         params = _target_parameters(node["_target_"])
     except Exception as e:  # noqa: BLE001 - Hydra raises several types for a bad path
         raise ConfigError(
-            f"{key}._target_={node['_target_']} cannot be imported ({e}); check its spelling"
+            f"{key}._target_={node['_target_']} cannot be imported ({' '.join(str(e).split())}); "
+            "check its spelling"
         ) from None
     if params is None:
         return
