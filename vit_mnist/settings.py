@@ -462,7 +462,7 @@ def _check_target(key: str, node: Any) -> None:
         return
     try:
         params = _target_parameters(node["_target_"])
-    except Exception as e:  # noqa: BLE001 - Hydra raises several types for a bad path
+    except Exception as e:  # noqa: BLE001 - importing a module on the path can raise anything
         raise ConfigError(
             f"{key}._target_={node['_target_']} cannot be imported ({' '.join(str(e).split())}); "
             "check its spelling"
