@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import subprocess
@@ -95,28 +94,16 @@ def hydra_error(monkeypatch, capsys, *argv: str) -> str:
 
     from vit_mnist.cli import train
 
-    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    # Hydra's own logging config would add handlers on this test's captured stderr, left
+    # behind for later tests: "none" keeps Hydra's hands off logging.
+    quiet = ["hydra/hydra_logging=none", "hydra/job_logging=none"]
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv, *quiet])
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    # Hydra sets up logging (handlers on this test's captured stderr) before it composes:
-    # put every logger back as it was, or later tests would log to a closed stream.
-    loggers = [logging.root, *logging.Logger.manager.loggerDict.values()]
-    saved = [
-        (lg, lg.handlers[:], lg.level, lg.propagate, lg.disabled)
-        for lg in loggers
-        if isinstance(lg, logging.Logger)
-    ]
     try:
         with pytest.raises(SystemExit) as stop:
             train()
     finally:
         GlobalHydra.instance().clear()
-        for lg in list(logging.Logger.manager.loggerDict.values()):
-            if isinstance(lg, logging.Logger) and all(lg is not s[0] for s in saved):
-                lg.handlers.clear()
-        for lg, handlers, level, propagate, disabled in saved:
-            lg.handlers[:] = handlers
-            lg.setLevel(level)
-            lg.propagate, lg.disabled = propagate, disabled
     assert stop.value.code == 2
     err = capsys.readouterr().err
     (line,) = err.strip().splitlines()
