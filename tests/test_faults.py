@@ -185,6 +185,8 @@ BAD_SETTINGS = [
     (["model.dropout=-0.1"], ["dropout=-0.1"]),
     (["model.drop_path_rate=1.0"], ["drop_path_rate=1.0"]),
     (["data=mnist", "data._target_=vit_mnist.data.Nope"], ["data._target_=vit_mnist.data.Nope"]),
+    # Imports, but is not a data module class: refused before anything is built.
+    (["data._target_=logging.basicConfig"], ["data._target_=logging.basicConfig is not a class"]),
     (["data=fashion_mnist", "data.augment.erasing=2"], ["augment.erasing=2"]),
     (["data.batch_size=0"], ["data.batch_size=0"]),
     (["module.lr=-1e-3"], ["module.lr=-0.001"]),

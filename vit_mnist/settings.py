@@ -423,7 +423,7 @@ def _walk_ranges(cls: type, values: Any, prefix: str) -> None:
             _check_range(key, values[f.name], dict(f.metadata))
 
 
-def _import_target(target: str) -> Any:
+def import_target(target: str) -> Any:
     """The object a dotted ``_target_`` path names, as Hydra's ``instantiate`` finds it.
 
     Raises ImportError naming the first part of the path that does not exist. (Hydra's own
@@ -448,8 +448,8 @@ def _import_target(target: str) -> Any:
 
 def _target_parameters(target: str) -> Any:
     """The parameters of the class or function a ``_target_`` names (None when it has no
-    signature); ImportError (from :func:`_import_target`) for a path that does not exist."""
-    found = _import_target(target)
+    signature); ImportError (from :func:`import_target`) for a path that does not exist."""
+    found = import_target(target)
     try:
         return inspect.signature(found).parameters
     except (TypeError, ValueError):
@@ -560,5 +560,6 @@ __all__ = [
     "SETTINGS",
     "TrainSettings",
     "check_settings",
+    "import_target",
     "known_keys",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import signal
@@ -31,7 +32,7 @@ from vit_mnist.errors import ConfigError, exit_on_user_error
 from vit_mnist.io import write_metrics
 from vit_mnist.models.vit import check_vit_args
 from vit_mnist.module import ViTClassifier, check_module_args
-from vit_mnist.settings import TrainSettings, check_settings
+from vit_mnist.settings import TrainSettings, check_settings, import_target
 from vit_mnist.speed.choose import check_speed_path, choose
 from vit_mnist.speed.hardware import describe_device, resolve_precision, uses_cuda
 
@@ -158,13 +159,13 @@ def check_config(cfg: DictConfig) -> None:
     data = cfg.data
     if data.get("augment"):
         BatchAugment(**_resolved(data.augment))  # raises ConfigError on bad ranges
-    try:
-        datamodule_cls = hydra.utils.get_class(data._target_)
-    except Exception as e:  # noqa: BLE001 - Hydra raises several types for a bad path
+    # check_settings has imported data._target_ already; only "is it a class" is new here.
+    datamodule_cls = import_target(data._target_)
+    if not inspect.isclass(datamodule_cls):
         raise ConfigError(
-            f"data._target_={data._target_} cannot be imported ({e}); "
+            f"data._target_={data._target_} is not a class; "
             "use data=mnist, data=fashion_mnist or data=synthetic"
-        ) from None
+        )
     _check_model_fits_data(model, datamodule_cls)
     if data.get("data_dir") is not None:
         _check_data_dir(str(data.data_dir), getattr(datamodule_cls, "folder", "MNIST"))
