@@ -113,10 +113,13 @@ def test_fashion_class_names_reach_the_tables_and_plots(fashion_dir, tmp_path):
 
 
 def test_hflip_mirrors_about_half_the_images():
+    torch.manual_seed(0)
     x = torch.randn(400, 1, 28, 28)
     out = BatchRandomAffine(hflip=True)(x)
-    same = torch.isclose(out, x, atol=1e-5).flatten(1).all(1)
-    mirrored = torch.isclose(out, x.flip(-1), atol=1e-5).flatten(1).all(1)
+    # affine_grid's identity map is exact only to float32 rounding: up to 1.5e-5 off here
+    # (torch 2.15), against differences of order 1 between an image and its mirror.
+    same = torch.isclose(out, x, atol=1e-4).flatten(1).all(1)
+    mirrored = torch.isclose(out, x.flip(-1), atol=1e-4).flatten(1).all(1)
     assert bool((same ^ mirrored).all())  # each image is one or the other
     assert 150 < int(mirrored.sum()) < 250
 
