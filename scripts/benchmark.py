@@ -3,7 +3,7 @@
 python scripts/benchmark.py              # this CPU class's section of docs/benchmarks.md
 python scripts/benchmark.py --patch 7 --archs default --out -    # train.py's patch; print
 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
-    python scripts/benchmark.py   # an AVX2 CPU, emulated
+    TORCHINDUCTOR_CPP_MARCH=x86-64-v3 python scripts/benchmark.py   # an AVX2 CPU, emulated
 
 Needs the `bench` extra (pip install -e '.[bench]': timm, vit-pytorch).
 
@@ -11,8 +11,11 @@ Every implementation is built with the same architecture (image 28, 1 channel, 1
 class token, the same patch size, embed_dim, depth, heads and MLP width), trained with
 AdamW on the same random batch at the same precision, in this one process. Ours runs once
 per speed path (vit_mnist/speed: the same model and parameters, only the way the step is
-computed differs), and once more as `auto`: the path that ``speed.path=auto`` picks here
-(timed afresh, not from the cache). After warm-up steps the implementations take turns:
+computed differs), and again as `auto`: the path that ``speed.path=auto`` picks here for
+a default ``train.py`` run, on a machine that has compiled nothing yet and on one that has
+compiled the model before (timed afresh, not from the cache; docs/speed.md says why the
+two differ). After warm-up steps the implementations take turns, in the opposite order
+every other repetition:
 each repetition times `--steps` training steps (forward, cross-entropy, backward, fused
 AdamW step) of every implementation in turn, so a drift in the machine's speed touches
 all of them alike. The table gives the median images/s over the repetitions and each
@@ -50,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vit_mnist.models import VisionTransformer
-from vit_mnist.speed.choose import choose
+from vit_mnist.speed.choose import CompileRecord, choose
 from vit_mnist.speed.hardware import cpu_class, cpu_name, has_native_bf16, isa_class
 from vit_mnist.speed.paths import PATHS, compile_settings
 
@@ -240,18 +243,28 @@ def build(builder, arch: dict, device: torch.device, bf16: bool, batch: int) -> 
     return Trainer(model, optimizer, images, labels, device, bf16)
 
 
-def auto_choice(arch: dict, device: torch.device, bf16: bool, batch: int, compile_too: bool):
-    """What ``speed.path=auto`` picks here at this precision (timed now, cache unused)."""
+TRAIN_IMAGES = 55_000  # MNIST's training split; --run-epochs of it make the run auto plans for
+RUN_EPOCHS = 20  # --run-epochs sets it; python train.py's default
+
+
+def auto_choice(arch: dict, device: torch.device, bf16: bool, batch: int, compiled_before: bool):
+    """What ``speed.path=auto`` picks here at this precision for the default run's length
+    (timed now, the choice cache unused): on a first run on this machine (nothing compiled
+    yet), or once this machine has compiled the model (its compile then takes seconds, so
+    auto compares the compiled paths too: as ``speed.auto_compile=true``)."""
     net = reference_vit(**arch)
     precision = "bf16-mixed" if bf16 else "32-true"
+    steps = -(-TRAIN_IMAGES // batch) * RUN_EPOCHS
     return choose(
         net,
         model_args={**arch, "patch_size": PATCH},
         device=device,
         batch_size=batch,
         precision=precision,
-        include_compiled=compile_too,
+        include_compiled=True if compiled_before else "auto",
+        planned_steps=steps,
         use_cache=False,
+        record=CompileRecord({}, {}, 0.0),
     )
 
 
@@ -260,15 +273,15 @@ def run_row(device, bf16, arch, *, batch, steps, reps, warmup, compile_too, warm
     with an ``ours (auto: PATH)`` row for the path auto picks. ``warmup_s`` receives each
     implementation's warm-up seconds (for a compiled model, mostly compilation)."""
     impls = implementations(device, compile_too)
-    # auto as train.py runs it by default (speed.auto_compile=false), and with the compiled
-    # paths among its candidates where this architecture has compiled rows.
-    choice = auto_choice(arch, device, bf16, batch, False)
-    impls[f"ours (auto: {choice.path})"] = ours(choice.path)
-    choices = {"auto": choice}
+    # auto on a first run of train.py's default length, and, where this architecture has
+    # compiled rows, once the model has been compiled here.
+    first = auto_choice(arch, device, bf16, batch, compiled_before=False)
+    impls[f"ours (auto, first run: {first.path})"] = ours(first.path)
+    choices = {"auto, first run": first}
     if compile_too:
-        with_compile = auto_choice(arch, device, bf16, batch, True)
-        impls[f"ours (auto_compile: {with_compile.path})"] = ours(with_compile.path)
-        choices["auto_compile"] = with_compile
+        later = auto_choice(arch, device, bf16, batch, compiled_before=True)
+        impls[f"ours (auto, compiled before: {later.path})"] = ours(later.path)
+        choices["auto, compiled before"] = later
     trainers = {name: build(b, arch, device, bf16, batch) for name, b in impls.items()}
     for name, trainer in trainers.items():
         sync(device)
@@ -278,9 +291,9 @@ def run_row(device, bf16, arch, *, batch, steps, reps, warmup, compile_too, warm
         sync(device)
         warmup_s[name] = time.perf_counter() - start
     speeds: dict[str, list[float]] = {name: [] for name in trainers}
-    for _ in range(reps):
-        for name, trainer in trainers.items():
-            speeds[name].append(trainer.timed(steps))
+    for rep in range(reps):
+        for name in list(trainers)[:: 1 if rep % 2 == 0 else -1]:
+            speeds[name].append(trainers[name].timed(steps))
     return {
         name: (statistics.median(speeds[name]), trainers[name].memory_mb()) for name in trainers
     }, choices
@@ -292,7 +305,12 @@ def hardware_title(cuda: bool) -> str:
         return f"GPU: {torch.cuda.get_device_name()}"
     forced = [
         f"{k}={os.environ[k]}"
-        for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+        for k in (
+            "ATEN_CPU_CAPABILITY",
+            "ONEDNN_MAX_CPU_ISA",
+            "MKL_ENABLE_INSTRUCTIONS",
+            "TORCHINDUCTOR_CPP_MARCH",
+        )
         if os.environ.get(k)
     ]
     title = f"CPU: {cpu_name()}, class {isa_class()}"
@@ -331,10 +349,13 @@ def markdown_section(results, choices, args, cuda: bool, warmups: dict) -> str:
         f"Batch {args.batch}, fused AdamW, median of {args.reps} repetitions of {args.steps} "
         "training steps after warm-up, implementations interleaved in one process. "
         "Ratio: images/s over the faster of timm and vit-pytorch. Memory: CUDA peak allocated "
-        "per step; CPU: activations saved for backward. `ours (auto: PATH)` is the path "
-        "`speed.path=auto` chose in this run (as `train.py` by default: compiled paths not "
-        "timed), `ours (auto_compile: PATH)` its choice with `speed.auto_compile=true`; both "
-        "timed again beside the others.",
+        "per step; CPU: activations saved for backward. `ours (auto, first run: PATH)` is the "
+        f"path `speed.path=auto` chose in this run for a `train.py` run of {args.run_epochs} "
+        "epochs on "
+        "a machine that has compiled nothing yet (it times the compiled paths only where "
+        "their first compile fits in `speed.compile_budget` of the training time); `ours "
+        "(auto, compiled before: PATH)` its choice once the model has been compiled here, "
+        "when the compiled paths are timed too. Both are timed again beside the others.",
         "",
         "| precision | architecture | implementation | images/s | ratio to best peer "
         "| memory (MB) |",
@@ -350,9 +371,14 @@ def markdown_section(results, choices, args, cuda: bool, warmups: dict) -> str:
     for (row, arch), per_setting in choices.items():
         for setting, choice in per_setting.items():
             figures = ", ".join(f"{k} {v:,.0f}" for k, v in choice.images_per_s.items())
+            compiling = (
+                f", {sum(choice.compile_s.values()):.1f} s of it compiling"
+                if choice.compile_s
+                else ""
+            )
             lines.append(
-                f"- {row}, {arch}, {setting}: **{choice.path}** in {choice.seconds:.1f} s "
-                f"({figures})"
+                f"- {row}, {arch}, {setting}: **{choice.path}** in {choice.seconds:.1f} s"
+                f"{compiling} ({figures})"
             )
     compiled = [
         (row, arch, name, secs)
@@ -391,7 +417,7 @@ def merge(existing: str, section: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global PATCH
+    global PATCH, RUN_EPOCHS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--patch", type=int, default=4, choices=[2, 4, 7, 14])
@@ -399,6 +425,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--out", default="docs/benchmarks.md", help="Markdown file, or -")
+    parser.add_argument(
+        "--run-epochs",
+        type=int,
+        default=20,
+        help="epochs of MNIST in the run whose length auto plans for (train.py's default: 20)",
+    )
     parser.add_argument("--archs", nargs="+", choices=list(ARCHS), default=list(ARCHS))
     parser.add_argument(
         "--compile-archs",
@@ -415,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     args.argv = argv
-    PATCH = args.patch
+    PATCH, RUN_EPOCHS = args.patch, args.run_epochs
     try:
         import timm  # noqa: F401
         import vit_pytorch  # noqa: F401

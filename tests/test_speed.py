@@ -255,3 +255,116 @@ def test_compile_settings_apply_inside_and_restore_after():
     with compile_settings():
         assert all(getattr(config, key) is True for config, key in keys)
     assert [getattr(config, key) for config, key in keys] == before
+
+
+def _fake_timing(speeds: dict[str, float], calls: list):
+    """A stand-in for time_candidates: the given images/s, and 40 s first steps for the
+    compiled paths (their compile)."""
+
+    def time_candidates(net, pairs, **kwargs):
+        calls.append([f"{p} {q}" for p, q in pairs])
+        names = [f"{p} {q}" for p, q in pairs]
+        first = {n: 40.0 if PATHS[n.split(" ")[0]].compiles else 0.1 for n in names}
+        return choose_mod.Timing({n: speeds[n] for n in names}, first)
+
+    return time_candidates
+
+
+def test_auto_times_a_first_compile_only_when_the_training_time_pays_for_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
+    monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: False)
+    monkeypatch.setattr("vit_mnist.speed.paths.isa_class", lambda: "AVX2")  # no native
+    speeds = {"reference 32-true": 900.0, "fused 32-true": 1000.0, "handwritten 32-true": 1100.0}
+    speeds["compile 32-true"] = 1300.0
+    calls: list = []
+    monkeypatch.setattr(choose_mod, "time_candidates", _fake_timing(speeds, calls))
+    net = VisionTransformer(patch_size=7, **TINY)
+    args = dict(model_args=TINY, device=CPU, batch_size=100)
+    # 110 steps of 100 images at 1 100 images/s: 10 s of training, 5% of it is 0.5 s,
+    # far from a first compile (60 s): the eager paths only, and the reason logged.
+    short = choose(net, **args, planned_steps=110)
+    assert (short.path, calls) == ("handwritten", [list(speeds)[:3]])
+    assert "compile_budget=0.05" in short.skipped["compile"]
+    assert "; compile (32-true: compiling is expected" in short.describe(CPU)
+    # A run of 13 200 steps (1 200 s; with the 10 s before, 5% is 60.5 s): compiled, timed
+    # against the best eager path, chosen, and its compile time recorded.
+    long = choose(net, **args, planned_steps=13_200)
+    assert calls[1] == ["compile 32-true", "handwritten 32-true"]
+    assert (long.path, long.how, long.compile_s) == (
+        "compile",
+        "measured",
+        {"compile 32-true": 40.0},
+    )
+    record = choose_mod.compile_record(CPU, TINY)
+    assert record.compile_s == {"compile 32-true": 40.0}
+    assert record.trained_s == pytest.approx(1210, abs=1)
+    # From now on a short run finds the compiled answer in the cache, timing nothing.
+    again = choose(net, **args, planned_steps=110)
+    assert (again.path, again.how, len(calls)) == ("compile", "cached", 2)
+    # false never times it; true always does (one more timing: a new candidate list).
+    assert choose(net, **args, include_compiled=False, planned_steps=10**6).path == "handwritten"
+    forced = choose(net, **{**args, "batch_size": 50}, include_compiled=True, planned_steps=0)
+    assert forced.path == "compile"
+
+
+def test_compiled_paths_are_not_timed_at_a_precision_that_runs_slower():
+    record = choose_mod.CompileRecord({}, {}, 0.0)
+    skipped: dict[str, str] = {}
+    eager = {"handwritten 32-true": 1000.0, "handwritten bf16-mixed": 95.0}
+    chosen = choose_mod._compiled_to_time(
+        [("compile", "32-true"), ("compile", "bf16-mixed")],
+        eager,
+        include_compiled=True,
+        record=record,
+        run_s=0.0,
+        compile_budget=0.05,
+        skipped=skipped,
+    )
+    assert chosen == [("compile", "32-true")] and skipped == {}
+
+
+def test_the_compile_record_keeps_the_longest_first_compile(tmp_path, monkeypatch):
+    monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
+    other = {**TINY, "embed_dim": 64}
+    pair = ("compile", "32-true")
+    assert choose_mod.compile_record(CPU, TINY).expected_s(pair) == choose_mod.FIRST_COMPILE_GUESS_S
+    choose_mod.record_compile(CPU, TINY, pair, 90.0)  # a cold first compile
+    choose_mod.record_compile(CPU, TINY, pair, 3.0)  # the same model again: warm
+    choose_mod.record_compile(CPU, other, pair, 4.0)  # first here, but warm in inductor's cache
+    assert choose_mod.compile_record(CPU, TINY).expected_s(pair) == 3.0
+    assert choose_mod.compile_record(CPU, {**TINY, "depth": 3}).expected_s(pair) == 90.0
+    (tmp_path / "compile_times.json").write_text('{"x": [1], "y": 5}')
+    assert choose_mod.compile_record(CPU, TINY).expected_s(pair) == choose_mod.FIRST_COMPILE_GUESS_S
+    choose_mod.record_compile(CPU, TINY, pair, 2.0)  # a damaged file is written afresh
+    assert choose_mod.compile_record(CPU, TINY).compile_s == {"compile 32-true": 2.0}
+
+
+def test_timing_drops_a_clearly_slower_candidate_after_one_round(monkeypatch):
+    import dataclasses
+
+    steps = {"reference": 0, "slow": 0}
+
+    def counted(name, delay):
+        def build(net):
+            def forward(x):
+                steps[name] += 1
+                time.sleep(delay)
+                return net(x)
+
+            return forward
+
+        return build
+
+    paths = {
+        "reference": dataclasses.replace(PATHS["reference"], build=counted("reference", 0.0)),
+        "slow": dataclasses.replace(PATHS["reference"], name="slow", build=counted("slow", 0.05)),
+    }
+    monkeypatch.setattr(choose_mod, "PATHS", paths)
+    net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
+    pairs = [("reference", "32-true"), ("slow", "32-true")]
+    timing = choose_mod.time_candidates(net, pairs, device=CPU, batch_size=4, rounds=5, steps=2)
+    assert timing.images_per_s["slow 32-true"] < 0.85 * timing.images_per_s["reference 32-true"]
+    # One first step and one round of two for each, then the slow one is out and the
+    # reference alone is left: nothing more to compare.
+    assert steps == {"reference": 3, "slow": 3}
+    assert set(timing.first_step_s) == {"reference 32-true", "slow 32-true"}

@@ -17,6 +17,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vit_mnist.errors import ConfigError, NonFiniteLossError
 from vit_mnist.models.vit import VisionTransformer
+from vit_mnist.speed.choose import record_compile
 from vit_mnist.speed.hardware import pin_to_cores
 from vit_mnist.speed.paths import PATHS
 
@@ -128,6 +129,8 @@ class ViTClassifier(L.LightningModule):
         self.speed_path = "reference"
         object.__setattr__(self, "_step_forward", self.net)
         self.compile_time_s: float | None = None
+        # Whether a compile's time goes to the speed layer's record (speed.cache=true).
+        self.record_compiles = False
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         num_classes = model.get("num_classes", 10)
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
@@ -193,6 +196,10 @@ class ViTClassifier(L.LightningModule):
         with trainer.precision_plugin.forward_context():
             self._step_forward(x).float().sum().backward()
         self.net.zero_grad(set_to_none=True)
+        if self.record_compiles:
+            # What speed.auto_compile=auto expects this model to cost to compile next time.
+            pair = (self.speed_path, str(trainer.precision))
+            record_compile(self.device, self.hparams["model"], pair, time.perf_counter() - start)
         # Validation inside fit runs under no_grad: Lightning builds the fit loop's
         # validation loop with inference_mode=False.
         self.net.eval()

@@ -93,10 +93,15 @@ def _images(value: Any) -> str | None:
     return "must be a file, a folder, or a list of them: images=digit.png or images=[a.png,b.png]"
 
 
+def _auto_or_bool(value: Any) -> str | None:
+    return None if isinstance(value, bool) or value == "auto" else "must be auto, true or false"
+
+
 @dataclass
 class SpeedSettings:
     path: str = _setting(example="speed.path=auto")
-    auto_compile: bool = _setting()
+    auto_compile: Any = _setting(check=_auto_or_bool, example="speed.auto_compile=auto")
+    compile_budget: float = _setting(ge=0, le=1, example="speed.compile_budget=0.05")
     cache: bool = _setting()
 
 
@@ -283,7 +288,8 @@ SETTINGS: dict[str, type] = {
 RETIRED: dict[str, str] = {
     "model.compile": (
         "is no longer a model setting: torch.compile is one of the speed paths; use "
-        "speed.path=compile (or speed.path=auto with speed.auto_compile=true to time it)"
+        "speed.path=compile (speed.path=auto times it too where compiling pays, see "
+        "speed.auto_compile)"
     ),
 }
 

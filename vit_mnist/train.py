@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import os
 import signal
 import sys
@@ -18,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 
 from vit_mnist.callbacks.throughput import TrainThroughput
 from vit_mnist.checkpointing import (
@@ -77,6 +78,31 @@ def _check_device(trainer_cfg: DictConfig) -> None:
 
 
 _ENV_AT_IMPORT = dict(os.environ)
+
+
+def _planned_steps(
+    trainer_cfg: DictConfig, train_size: int | None, batch_size: int, start_step: int
+) -> int | None:
+    """About how many training steps each process of this run will take (the compile
+    budget of ``speed.auto_compile=auto`` is a share of the training time), or None where
+    the data cannot say before they are read."""
+    max_steps = int(trainer_cfg.get("max_steps") or -1)
+    if train_size is None:
+        return max_steps - start_step if max_steps > 0 else None
+    devices = trainer_cfg.get("devices", 1)
+    processes = len(devices) if isinstance(devices, (list, ListConfig)) else devices
+    if not isinstance(processes, int) or not str(trainer_cfg.get("strategy", "")).startswith("ddp"):
+        processes = 1
+    per_epoch = math.ceil(train_size / (batch_size * processes))
+    limit = trainer_cfg.get("limit_train_batches", 1.0)
+    if isinstance(limit, float):
+        per_epoch = int(per_epoch * limit)
+    elif isinstance(limit, int):
+        per_epoch = min(per_epoch, limit)
+    steps = per_epoch * int(trainer_cfg.get("max_epochs") or 1)
+    if max_steps > 0:
+        steps = min(steps, max_steps)
+    return max(steps - start_step, 0)
 
 
 def _prepare_ddp_launch(trainer_cfg: DictConfig) -> None:
@@ -263,10 +289,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         batch_size=cfg.data.batch_size,
         path=speed.get("path", "auto"),
         precision=str(cfg.trainer.get("precision", "auto")),
-        include_compiled=bool(speed.get("auto_compile", False)),
+        include_compiled=speed.get("auto_compile", "auto"),
+        compile_budget=float(speed.get("compile_budget", 0.05)),
+        planned_steps=_planned_steps(
+            cfg.trainer, getattr(datamodule, "train_size", None), cfg.data.batch_size, start_step
+        ),
         use_cache=bool(speed.get("cache", True)),
     )
     module.use_speed_path(choice.path)
+    module.record_compiles = bool(speed.get("cache", True))
     precision = choice.precision
     log.info(choice.describe(device))
     module.run_info = {

@@ -1,11 +1,21 @@
 """Choosing the training path and precision by measurement, on the user's own machine.
 
-``speed.path=auto`` (and ``trainer.precision=auto``) time every available candidate for a
-few training steps on the real device, model shape and batch size, keep the fastest, and
-remember the answer in ``$VIT_MNIST_CACHE/speed_choices.json`` (default
-``~/.cache/vit_mnist``), keyed by the CPU model and instruction-set flags (or the GPU's
-name), the torch version, the model's arguments, the batch size and the candidates. A
-later run with the same key starts at once.
+``speed.path=auto`` (and ``trainer.precision=auto``) time the candidates for a few training
+steps on the real device, model shape and batch size, keep the fastest, and remember the
+answer in ``$VIT_MNIST_CACHE/speed_choices.json`` (default ``~/.cache/vit_mnist``), keyed
+by the CPU model and instruction-set flags (or the GPU's name), the torch version, the
+model's arguments, the batch size and the candidates. A later run with the same key starts
+at once.
+
+The compiled paths compile before their first step: in seconds where this machine has
+compiled the model before (inductor keeps what it built on disk), in 30 to 60 s for a
+model's first compile on a 2-core CPU. So with ``speed.auto_compile=auto`` they are timed
+only once compiling them costs at most ``speed.compile_budget`` (5%) of the training time
+this machine has spent on the model under ``auto``, this run included: a short first run
+starts at once on the fastest eager path; a long run, or a run after enough short ones,
+pays the first compile once, and from then on every run compares the compiled paths too,
+for seconds. What was compiled here, how long it took and how long each model trained is
+kept in ``$VIT_MNIST_CACHE/compile_times.json``.
 """
 
 from __future__ import annotations
@@ -32,6 +42,17 @@ from vit_mnist.speed.paths import PATHS
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("32-true", "bf16-mixed")
+# What a model's first compile is expected to take at least: the default model's took 36 to
+# 50 s on a 2-core Zen 5 and 56 s on a 2-core Zen 3 (docs/speed.md).
+FIRST_COMPILE_GUESS_S = 60.0
+# A precision whose best eager path is this far behind the best is not compiled for.
+COMPETITIVE = 0.9
+
+Pair = tuple[str, str]  # (path, precision)
+
+
+def _name(pair: Pair) -> str:
+    return f"{pair[0]} {pair[1]}"
 
 
 @dataclass
@@ -43,9 +64,11 @@ class Choice:
         precision: a Lightning precision, ``32-true`` or ``bf16-mixed`` when measured.
         images_per_s: ``"path precision" -> images/s`` for every candidate timed (empty
             when nothing was timed).
-        seconds: wall seconds spent choosing (timing, or reading the cache).
+        seconds: wall seconds spent choosing (timing and compiling, or reading the cache).
         how: ``measured``, ``cached`` or ``forced``.
-        skipped: ``path -> why`` for paths not available here.
+        skipped: ``path -> why`` for paths not timed.
+        compile_s: ``"path precision" -> seconds`` of the first training step of each
+            compiled candidate timed in this call (mostly compiling), part of ``seconds``.
     """
 
     path: str
@@ -54,16 +77,21 @@ class Choice:
     seconds: float = 0.0
     how: str = "forced"
     skipped: dict[str, str] = field(default_factory=dict)
+    compile_s: dict[str, float] = field(default_factory=dict)
 
     def describe(self, device: torch.device) -> str:
-        """One log line: the choice, every figure, the hardware and the time it took."""
+        """One log line: the choice, how long it took, every figure, what was left out."""
         figures = ", ".join(f"{k} {v:,.0f}" for k, v in self.images_per_s.items())
         line = f"speed path: {self.path}, precision {self.precision} ({self.how}"
         if self.how != "forced":
             line += f" in {self.seconds:.2f} s"
+            if self.compile_s:
+                line += f", {sum(self.compile_s.values()):.1f} s of it compiling"
         line += f"; {describe_hardware(device)})"
         if figures:
             line += f"; images/s: {figures}"
+        if self.how != "forced" and self.skipped:
+            line += "; not timed: " + "; ".join(f"{p} ({why})" for p, why in self.skipped.items())
         return line
 
 
@@ -77,13 +105,15 @@ def candidates(
     device: torch.device,
     path: str,
     precision: str,
-    include_compiled: bool,
+    include_compiled: bool | str,
     net: VisionTransformer | None = None,
-) -> tuple[list[tuple[str, str]], dict[str, str]]:
-    """The (path, precision) pairs to time, and ``path -> why`` for those left out.
+) -> tuple[list[Pair], dict[str, str]]:
+    """The (path, precision) pairs ``choose`` may time, and ``path -> why`` for those left out.
 
-    ``net``, when given, must be supported too (a model with pruned heads is not by every
-    path, see :attr:`TrainingPath.unsupported`).
+    ``include_compiled``: ``False`` leaves the compiled paths out of ``auto``; ``True`` or
+    ``"auto"`` keep them (``choose`` decides which it times). ``net``, when given, must be
+    supported too (a model with pruned heads is not by every path, see
+    :attr:`TrainingPath.unsupported`).
 
     Raises:
         ConfigError: a forced path that cannot run on ``device`` or ``net``, saying why.
@@ -98,8 +128,8 @@ def candidates(
         paths = []
         for name, p in PATHS.items():
             why = unavailable(p)
-            if why is None and p.compiles and not include_compiled:
-                why = "compiles first (set speed.auto_compile=true to time it too)"
+            if why is None and p.compiles and include_compiled is False:
+                why = "compiles first; speed.auto_compile=false"
             if why is None:
                 paths.append(name)
             else:
@@ -116,49 +146,175 @@ def candidates(
     return [(p, q) for p in paths for q in precisions], skipped
 
 
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
 def _cache_key(device, model_args, batch_size, pairs) -> str:
-    text = json.dumps(
-        [hardware_key(device), model_args, batch_size, pairs], sort_keys=True, default=str
-    )
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
+    return _digest([hardware_key(device), model_args, batch_size, [list(p) for p in pairs]])
 
 
-def _read_cache(file: Path) -> dict[str, Any]:
+def _read_json(file: Path) -> dict[str, Any]:
     try:
         entries = json.loads(file.read_text())
     except (OSError, ValueError):
         return {}
-    return entries if isinstance(entries, dict) else {}  # a damaged file: measure again
+    return entries if isinstance(entries, dict) else {}  # a damaged file: start again
 
 
-def _write_cache(file: Path, key: str, entry: dict[str, Any]) -> None:
+def _write_json(file: Path, entries: dict[str, Any]) -> None:
     from vit_mnist.io import atomic_write_bytes
 
-    entries = _read_cache(file)
-    entries[key] = entry
     try:
         atomic_write_bytes(file, (json.dumps(entries, indent=1, sort_keys=True) + "\n").encode())
-    except OSError as e:  # a read-only home: the choice still holds for this run
-        log.warning("speed choice not cached (%s)", e)
+    except OSError as e:  # a read-only home: what was measured still holds for this run
+        log.warning("%s not written (%s)", file.name, e)
+
+
+def _choices_file() -> Path:
+    return cache_root() / "speed_choices.json"
+
+
+def _cached_speeds(key: str, pairs: list[Pair]) -> dict[str, float] | None:
+    """The figures cached under ``key`` if they cover ``pairs``, else None."""
+    entry = _read_json(_choices_file()).get(key)
+    if not isinstance(entry, dict) or not isinstance(entry.get("images_per_s"), dict):
+        return None
+    speeds = entry["images_per_s"]
+    if not all(isinstance(speeds.get(_name(p)), (int, float)) for p in pairs):
+        return None
+    return {_name(p): float(speeds[_name(p)]) for p in pairs}
+
+
+def _cache_speeds(key: str, device: torch.device, speeds: dict[str, float]) -> None:
+    file = _choices_file()
+    entries = _read_json(file)
+    best = max(speeds, key=speeds.get)
+    path, precision = best.split(" ")
+    entries[key] = {
+        "path": path,
+        "precision": precision,
+        "images_per_s": speeds,
+        "hardware": hardware_key(device),
+    }
+    _write_json(file, entries)
+
+
+@dataclass
+class CompileRecord:
+    """What this machine (``hardware_key``) has compiled for one model, from
+    ``$VIT_MNIST_CACHE/compile_times.json``.
+
+    Attributes:
+        compile_s: ``"path precision" -> seconds`` of this model's last compile here.
+        first_compile_s: ``"path precision" -> seconds`` of the longest first compile of a
+            model here (what a model never compiled here is expected to take, at least
+            :data:`FIRST_COMPILE_GUESS_S`).
+        trained_s: planned training seconds of this model's runs under ``auto`` here.
+    """
+
+    compile_s: dict[str, float]
+    first_compile_s: dict[str, float]
+    trained_s: float
+
+    def expected_s(self, pair: Pair) -> float:
+        """Seconds the first step of ``pair`` is expected to take to compile here: this
+        model's last compile, else the longest first compile seen here, at least
+        :data:`FIRST_COMPILE_GUESS_S`."""
+        if _name(pair) in self.compile_s:
+            return self.compile_s[_name(pair)]
+        return max(self.first_compile_s.get(_name(pair), 0.0), FIRST_COMPILE_GUESS_S)
+
+
+def _compile_file() -> Path:
+    return cache_root() / "compile_times.json"
+
+
+def _machine_and_model(entries: dict, device: torch.device, model_args: dict) -> tuple[dict, dict]:
+    """This machine's entry and, inside it, the model's (each made, or remade where damaged)."""
+
+    def child(parent: dict, key: str) -> dict:
+        if not isinstance(parent.get(key), dict):
+            parent[key] = {}
+        return parent[key]
+
+    machine = child(entries, hardware_key(device))
+    return machine, child(child(machine, "models"), _digest(model_args))
+
+
+def compile_record(device: torch.device, model_args: dict[str, Any]) -> CompileRecord:
+    """What this machine has compiled for the model ``model_args`` (see :class:`CompileRecord`)."""
+    try:
+        machine, model = _machine_and_model(_read_json(_compile_file()), device, model_args)
+        return CompileRecord(
+            {k: float(v) for k, v in model.get("compile_s", {}).items()},
+            {k: float(v) for k, v in machine.get("first_compile_s", {}).items()},
+            float(model.get("trained_s", 0.0)),
+        )
+    except (AttributeError, TypeError, ValueError):  # a damaged entry: nothing known
+        return CompileRecord({}, {}, 0.0)
+
+
+def record_compile(
+    device: torch.device, model_args: dict[str, Any], pair: Pair, seconds: float
+) -> None:
+    """Remember that ``pair`` compiled ``model_args`` here in ``seconds`` (its first step)."""
+    file = _compile_file()
+    entries = _read_json(file)
+    machine, model = _machine_and_model(entries, device, model_args)
+    for owner, key in ((model, "compile_s"), (machine, "first_compile_s")):
+        if not isinstance(owner.get(key), dict):
+            owner[key] = {}
+    if _name(pair) not in model["compile_s"]:
+        # The longest first compile seen: a model this record has not seen may still be
+        # in inductor's own cache (then it compiles in seconds), but cannot be counted on.
+        first = machine["first_compile_s"]
+        first[_name(pair)] = round(max(seconds, float(first.get(_name(pair), 0.0))), 2)
+    model["compile_s"][_name(pair)] = round(seconds, 2)
+    _write_json(file, entries)
+
+
+def _add_trained_s(device: torch.device, model_args: dict[str, Any], seconds: float) -> None:
+    file = _compile_file()
+    entries = _read_json(file)
+    _, model = _machine_and_model(entries, device, model_args)
+    previous = model.get("trained_s")
+    previous = float(previous) if isinstance(previous, (int, float)) else 0.0
+    model["trained_s"] = round(previous + seconds, 1)
+    _write_json(file, entries)
+
+
+@dataclass
+class Timing:
+    """What :func:`time_candidates` measured: median images/s per candidate (``"path
+    precision"``) and the seconds of each candidate's first step (a compiled path's compile)."""
+
+    images_per_s: dict[str, float]
+    first_step_s: dict[str, float]
 
 
 def time_candidates(
     net: VisionTransformer,
-    pairs: list[tuple[str, str]],
+    pairs: list[Pair],
     *,
     device: torch.device,
     batch_size: int,
-    rounds: int = 3,
+    rounds: int = 5,
     steps: int = 2,
     budget_s: float = 6.0,
-) -> dict[str, float]:
-    """Median images/s of each (path, precision) over ``rounds`` interleaved rounds of
-    ``steps`` training steps (forward, cross-entropy, backward, fused AdamW step).
+    keep: float = 0.85,
+) -> Timing:
+    """Images/s of each (path, precision) over interleaved rounds of ``steps`` training
+    steps (forward, cross-entropy, backward, fused AdamW step), median over its rounds.
+
+    After each round a candidate below ``keep`` times the leader's median is dropped, so
+    the rounds that follow go to the candidates close enough for the choice to matter; the
+    timing ends when one is left, after ``rounds`` rounds, or after the round in which
+    ``budget_s`` seconds (after the first steps) have passed, so a model whose steps take
+    seconds is timed over one round.
 
     Runs on a copy of ``net`` with a random batch of ``batch_size`` images, and restores
-    the random-number state, so the run that follows is the same as without it. Stops
-    after the round in which ``budget_s`` seconds (after the warm-up) have passed: a model
-    whose steps take seconds is timed over one round, not three.
+    the random-number state, so the run that follows is the same as without it.
     """
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
@@ -182,26 +338,75 @@ def time_candidates(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    first_step_s = {}
+    speeds: dict[Pair, list[float]] = {pair: [] for pair in pairs}
     try:
         for pair in pairs:
-            step(*pair)  # warm-up: allocations, kernel builds, oneDNN's first-call setup
-        speeds: dict[tuple[str, str], list[float]] = {pair: [] for pair in pairs}
+            # Allocations, kernel builds, oneDNN's first-call setup; a compiled path compiles.
+            start = time.perf_counter()
+            step(*pair)
+            sync()
+            first_step_s[_name(pair)] = time.perf_counter() - start
+        live = list(pairs)
         start = time.perf_counter()
-        for _ in range(rounds):
-            for pair in pairs:
+        for r in range(rounds):
+            for pair in live if r % 2 == 0 else live[::-1]:  # either order: drift hits all
                 sync()
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     step(*pair)
                 sync()
                 speeds[pair].append(steps * batch_size / (time.perf_counter() - t0))
-            if time.perf_counter() - start > budget_s:
+            leader = max(statistics.median(speeds[p]) for p in live)
+            live = [p for p in live if statistics.median(speeds[p]) >= keep * leader]
+            if len(live) == 1 or time.perf_counter() - start > budget_s:
                 break
     finally:
         torch.set_rng_state(rng)
         if cuda_rng:
             torch.cuda.set_rng_state_all(cuda_rng)
-    return {f"{p} {q}": statistics.median(v) for (p, q), v in speeds.items()}
+    return Timing({_name(p): statistics.median(v) for p, v in speeds.items()}, first_step_s)
+
+
+def _compiled_to_time(
+    compiled: list[Pair],
+    eager_speeds: dict[str, float],
+    *,
+    include_compiled: bool | str,
+    record: CompileRecord,
+    run_s: float,
+    compile_budget: float,
+    skipped: dict[str, str],
+) -> list[Pair]:
+    """The compiled pairs worth timing; why the others are not goes into ``skipped``.
+
+    Only at a precision whose best eager path is within :data:`COMPETITIVE` of the best
+    (compiling does not turn a 10x slower emulated bf16 into the fastest). With
+    ``include_compiled="auto"``, the cheapest expected compiles first, while their sum
+    stays within ``compile_budget`` of the model's training time here, ``run_s`` (this
+    run's) included.
+    """
+    best = max(eager_speeds.values())
+    fast = {n.split(" ")[1] for n, v in eager_speeds.items() if v >= COMPETITIVE * best}
+    trained = record.trained_s + run_s
+    chosen, spent, why = [], 0.0, {}
+    for pair in sorted(compiled, key=record.expected_s):
+        expected = record.expected_s(pair)
+        if pair[1] not in fast:
+            why.setdefault(pair[0], []).append(f"{pair[1]} runs slower here")
+        elif include_compiled == "auto" and spent + expected > compile_budget * trained:
+            why.setdefault(pair[0], []).append(
+                f"{pair[1]}: compiling is expected to take {expected:.0f} s, more than "
+                f"speed.compile_budget={compile_budget:g} of the {trained:.0f} s this machine "
+                "has trained this model (speed.auto_compile=true times it anyway)"
+            )
+        else:
+            chosen.append(pair)
+            spent += expected
+    for path, reasons in why.items():
+        if not any(p == path for p, _ in chosen):
+            skipped[path] = "; ".join(reasons)
+    return chosen
 
 
 def choose(
@@ -212,22 +417,34 @@ def choose(
     batch_size: int,
     path: str = "auto",
     precision: str = "auto",
-    include_compiled: bool = False,
+    include_compiled: bool | str = "auto",
+    compile_budget: float = 0.05,
+    planned_steps: int | None = None,
     use_cache: bool = True,
+    record: CompileRecord | None = None,
 ) -> Choice:
     """The path and precision to train ``net`` with on ``device``.
 
     Args:
         net: the model (not modified: the timing runs on a copy).
-        model_args: the model's constructor arguments (part of the cache key).
+        model_args: the model's constructor arguments (part of the cache keys).
         device: where training runs.
-        batch_size: images per training step.
+        batch_size: images per training step (per process).
         path: ``auto`` or a path's name (forced).
         precision: ``auto`` (bf16-mixed only where the hardware computes bf16 and it
             measures faster) or a Lightning precision (forced).
-        include_compiled: let ``auto`` time the ``compile`` path too (it compiles first,
-            10-60 s on a 2-core CPU without inductor's cache).
-        use_cache: read and write the on-disk cache of earlier choices.
+        include_compiled: whether ``auto`` times the compiled paths: ``"auto"`` where their
+            expected compile fits ``compile_budget`` (see the module's docstring), ``True``
+            always, ``False`` never.
+        compile_budget: the share of this model's training time on this machine that
+            ``include_compiled="auto"`` may spend compiling, e.g. 0.05.
+        planned_steps: training steps this run will take (per process), or None where
+            unknown: with ``include_compiled="auto"``, how long it trains counts towards the
+            budget.
+        use_cache: read and write the cache of earlier choices, and record compiles and
+            training time.
+        record: what this machine has compiled and trained for this model; by default
+            read from ``$VIT_MNIST_CACHE/compile_times.json`` (also without ``use_cache``).
 
     Raises:
         ConfigError: an unknown path, or a forced one that cannot run here.
@@ -236,35 +453,92 @@ def choose(
     pairs, skipped = candidates(device, path, precision, include_compiled, net)
     if len(pairs) == 1:
         return Choice(*pairs[0], skipped=skipped)
-    file = cache_root() / "speed_choices.json"
-    key = _cache_key(device, model_args, batch_size, pairs)
-    entry = _read_cache(file).get(key) if use_cache else None
-    if (
-        isinstance(entry, dict)
-        and [entry.get("path"), entry.get("precision")] in [list(p) for p in pairs]
-        and isinstance(entry.get("images_per_s"), dict)
-    ):
+    if all(PATHS[p].compiles for p, _ in pairs):
+        # A forced compiled path with precision auto: timing it means compiling it once per
+        # precision, so the precision is chosen on the handwritten eager path instead.
+        speeds = _timed_or_cached(
+            net, [("handwritten", q) for _, q in pairs], device, model_args, batch_size, use_cache
+        )
+        best = max(speeds.figures, key=speeds.figures.get)
         return Choice(
-            entry["path"],
-            entry["precision"],
-            entry["images_per_s"],
+            pairs[0][0],
+            best.split(" ")[1],
+            speeds.figures,
             time.perf_counter() - start,
-            "cached",
+            speeds.how,
             skipped,
         )
-    timed = pairs
-    if all(PATHS[p].compiles for p, _ in pairs):
-        # Timing a compiled path means compiling it once per candidate: the precision of a
-        # forced compiled path is chosen on the handwritten eager path instead.
-        timed = [("handwritten", q) for _, q in pairs]
-    speeds = time_candidates(net, timed, device=device, batch_size=batch_size)
-    best = max(speeds, key=speeds.get)
-    best_precision = best.split(" ")[1]
-    best_path = best.split(" ")[0] if timed is pairs else pairs[0][0]
-    choice = Choice(
-        best_path, best_precision, speeds, time.perf_counter() - start, "measured", skipped
+    eager = [p for p in pairs if not PATHS[p[0]].compiles]
+    compiled = [p for p in pairs if PATHS[p[0]].compiles]
+    first = _timed_or_cached(net, eager, device, model_args, batch_size, use_cache)
+    figures, how, compile_s = dict(first.figures), first.how, {}
+    best_eager = max(eager, key=lambda p: figures[_name(p)])
+    to_time: list[Pair] = []
+    if compiled:
+        record = compile_record(device, model_args) if record is None else record
+        run_s = (planned_steps or 0) * batch_size / figures[_name(best_eager)]
+        to_time = _compiled_to_time(
+            compiled,
+            figures,
+            include_compiled=include_compiled,
+            record=record,
+            run_s=run_s,
+            compile_budget=compile_budget,
+            skipped=skipped,
+        )
+        if use_cache and include_compiled == "auto" and run_s > 0:
+            _add_trained_s(device, model_args, run_s)
+    if to_time:
+        # The compiled candidates against the best eager one, interleaved in one timing.
+        second = _timed_or_cached(
+            net, [*to_time, best_eager], device, model_args, batch_size, use_cache
+        )
+        figures.update(second.figures)
+        compile_s = second.compile_s
+        how = "measured" if "measured" in (how, second.how) else "cached"
+        final = second.figures
+    else:
+        final = {_name(p): figures[_name(p)] for p in eager}
+    best = max(final, key=final.get)
+    return Choice(
+        *best.split(" "),
+        figures,
+        time.perf_counter() - start,
+        how,
+        skipped,
+        compile_s,
     )
+
+
+@dataclass
+class _Figures:
+    figures: dict[str, float]
+    how: str
+    compile_s: dict[str, float]
+
+
+def _timed_or_cached(
+    net: VisionTransformer,
+    pairs: list[Pair],
+    device: torch.device,
+    model_args: dict[str, Any],
+    batch_size: int,
+    use_cache: bool,
+) -> _Figures:
+    """Images/s of ``pairs``: from the choice cache, else timed now (and cached). A compiled
+    pair's first step, timed, is recorded as its compile time."""
+    key = _cache_key(device, model_args, batch_size, pairs)
     if use_cache:
-        entry = {"path": best_path, "precision": best_precision, "images_per_s": speeds}
-        _write_cache(file, key, {**entry, "hardware": hardware_key(device)})
-    return choice
+        cached = _cached_speeds(key, pairs)
+        if cached is not None:
+            return _Figures(cached, "cached", {})
+    timing = time_candidates(net, pairs, device=device, batch_size=batch_size)
+    compile_s = {}
+    for pair in pairs:
+        if PATHS[pair[0]].compiles:
+            compile_s[_name(pair)] = timing.first_step_s[_name(pair)]
+            if use_cache:
+                record_compile(device, model_args, pair, compile_s[_name(pair)])
+    if use_cache:
+        _cache_speeds(key, device, timing.images_per_s)
+    return _Figures(timing.images_per_s, "measured", compile_s)
