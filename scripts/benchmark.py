@@ -270,26 +270,30 @@ def auto_choice(arch: dict, device: torch.device, bf16: bool, batch: int, compil
 
 def run_row(device, bf16, arch, *, batch, steps, reps, warmup, compile_too, warmup_s):
     """``{implementation: (median images/s, memory MB)}`` for one device/precision/arch,
-    with an ``ours (auto: PATH)`` row for the path auto picks. ``warmup_s`` receives each
-    implementation's warm-up seconds (for a compiled model, mostly compilation)."""
-    impls = implementations(device, compile_too)
-    # auto on a first run of train.py's default length, and, where this architecture has
-    # compiled rows, once the model has been compiled here.
-    first = auto_choice(arch, device, bf16, batch, compiled_before=False)
-    impls[f"ours (auto, first run: {first.path})"] = ours(first.path)
-    choices = {"auto, first run": first}
-    if compile_too:
-        later = auto_choice(arch, device, bf16, batch, compiled_before=True)
-        impls[f"ours (auto, compiled before: {later.path})"] = ours(later.path)
-        choices["auto, compiled before"] = later
-    trainers = {name: build(b, arch, device, bf16, batch) for name, b in impls.items()}
-    for name, trainer in trainers.items():
+    with ``ours (auto, ...: PATH)`` rows for the paths auto picks. ``warmup_s`` receives
+    each implementation's warm-up seconds (for a compiled model, mostly compilation)."""
+    trainers = {}
+
+    def add(name: str, builder) -> None:
+        trainers[name] = trainer = build(builder, arch, device, bf16, batch)
         sync(device)
         start = time.perf_counter()
         for _ in range(warmup):
             trainer.step()
         sync(device)
         warmup_s[name] = time.perf_counter() - start
+
+    for name, builder in implementations(device, compile_too).items():
+        add(name, builder)
+    # auto on a first run of the planned length; and, where this architecture has compiled
+    # rows, once the model has been compiled here: the rows above compiled it, so auto's
+    # own compiles take seconds, as they would for that user.
+    first = auto_choice(arch, device, bf16, batch, compiled_before=False)
+    choices = {"auto, first run": first}
+    if compile_too:
+        choices["auto, compiled before"] = auto_choice(arch, device, bf16, batch, True)
+    for setting, choice in choices.items():
+        add(f"ours ({setting}: {choice.path})", ours(choice.path))
     speeds: dict[str, list[float]] = {name: [] for name in trainers}
     for rep in range(reps):
         for name in list(trainers)[:: 1 if rep % 2 == 0 else -1]:
