@@ -24,7 +24,6 @@ import copy
 import hashlib
 import json
 import logging
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -286,8 +285,9 @@ def _add_trained_s(device: torch.device, model_args: dict[str, Any], seconds: fl
 
 @dataclass
 class Timing:
-    """What :func:`time_candidates` measured: median images/s per candidate (``"path
-    precision"``) and the seconds of each candidate's first step (a compiled path's compile)."""
+    """What :func:`time_candidates` measured: the best round's images/s per candidate
+    (``"path precision"``) and the seconds of each candidate's first step (a compiled
+    path's compile)."""
 
     images_per_s: dict[str, float]
     first_step_s: dict[str, float]
@@ -305,9 +305,11 @@ def time_candidates(
     keep: float = 0.85,
 ) -> Timing:
     """Images/s of each (path, precision) over interleaved rounds of ``steps`` training
-    steps (forward, cross-entropy, backward, fused AdamW step), median over its rounds.
+    steps (forward, cross-entropy, backward, fused AdamW step): the best of its rounds,
+    since on a shared machine a moment of load only ever slows a round down (as
+    :mod:`timeit` takes the minimum time).
 
-    After each round a candidate below ``keep`` times the leader's median is dropped, so
+    After each round a candidate below ``keep`` times the leader's best is dropped, so
     the rounds that follow go to the candidates close enough for the choice to matter; the
     timing ends when one is left, after ``rounds`` rounds, or after the round in which
     ``budget_s`` seconds (after the first steps) have passed, so a model whose steps take
@@ -357,15 +359,15 @@ def time_candidates(
                     step(*pair)
                 sync()
                 speeds[pair].append(steps * batch_size / (time.perf_counter() - t0))
-            leader = max(statistics.median(speeds[p]) for p in live)
-            live = [p for p in live if statistics.median(speeds[p]) >= keep * leader]
+            leader = max(max(speeds[p]) for p in live)
+            live = [p for p in live if max(speeds[p]) >= keep * leader]
             if len(live) == 1 or time.perf_counter() - start > budget_s:
                 break
     finally:
         torch.set_rng_state(rng)
         if cuda_rng:
             torch.cuda.set_rng_state_all(cuda_rng)
-    return Timing({_name(p): statistics.median(v) for p, v in speeds.items()}, first_step_s)
+    return Timing({_name(p): max(v) for p, v in speeds.items()}, first_step_s)
 
 
 def _compiled_to_time(
