@@ -371,6 +371,18 @@ def markdown_section(results, choices, args, cuda: bool, warmups: dict) -> str:
             lines.append(
                 f"| {row} | {arch} | {name} | {speed:,.0f} | {speed / best_peer:.2f} | {mem:,.1f} |"
             )
+    lines += ["", "`auto` against the fastest single path of ours in the same run:", ""]
+    for (row, arch), per_impl in results.items():
+        singles = {
+            n: v for n, (v, _) in per_impl.items() if n.startswith("ours (") and ":" not in n
+        }
+        fastest = max(singles, key=singles.get)
+        autos = [
+            f"{n[len('ours (') : -1]} {v / singles[fastest]:.2f}x"
+            for n, (v, _) in per_impl.items()
+            if n.startswith("ours (auto")
+        ]
+        lines.append(f"- {row}, {arch}: fastest {fastest}; " + ", ".join(autos))
     lines += ["", "What `auto` measured in its own few steps (images/s) and the time it took:", ""]
     for (row, arch), per_setting in choices.items():
         for setting, choice in per_setting.items():

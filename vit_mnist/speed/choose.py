@@ -46,6 +46,8 @@ PRECISIONS = ("32-true", "bf16-mixed")
 FIRST_COMPILE_GUESS_S = 60.0
 # A precision whose best eager path is this far behind the best is not compiled for.
 COMPETITIVE = 0.9
+# A candidate this far behind the leader after a round of timing is out of the running.
+KEEP = 0.85
 
 Pair = tuple[str, str]  # (path, precision)
 
@@ -225,6 +227,11 @@ class CompileRecord:
         return max(self.first_compile_s.get(_name(pair), 0.0), FIRST_COMPILE_GUESS_S)
 
 
+def _number(value: Any) -> float:
+    """A recorded number, or 0 where the file holds something else."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
 def _compile_file() -> Path:
     return cache_root() / "compile_times.json"
 
@@ -268,7 +275,7 @@ def record_compile(
         # The longest first compile seen: a model this record has not seen may still be
         # in inductor's own cache (then it compiles in seconds), but cannot be counted on.
         first = machine["first_compile_s"]
-        first[_name(pair)] = round(max(seconds, float(first.get(_name(pair), 0.0))), 2)
+        first[_name(pair)] = round(max(seconds, _number(first.get(_name(pair)))), 2)
     model["compile_s"][_name(pair)] = round(seconds, 2)
     _write_json(file, entries)
 
@@ -277,9 +284,7 @@ def _add_trained_s(device: torch.device, model_args: dict[str, Any], seconds: fl
     file = _compile_file()
     entries = _read_json(file)
     _, model = _machine_and_model(entries, device, model_args)
-    previous = model.get("trained_s")
-    previous = float(previous) if isinstance(previous, (int, float)) else 0.0
-    model["trained_s"] = round(previous + seconds, 1)
+    model["trained_s"] = round(_number(model.get("trained_s")) + seconds, 1)
     _write_json(file, entries)
 
 
@@ -302,7 +307,7 @@ def time_candidates(
     rounds: int = 5,
     steps: int = 2,
     budget_s: float = 6.0,
-    keep: float = 0.85,
+    keep: float = KEEP,
 ) -> Timing:
     """Images/s of each (path, precision) over interleaved rounds of ``steps`` training
     steps (forward, cross-entropy, backward, fused AdamW step): the best of its rounds,
@@ -491,9 +496,12 @@ def choose(
         if use_cache and include_compiled == "auto" and run_s > 0:
             _add_trained_s(device, model_args, run_s)
     if to_time:
-        # The compiled candidates against the best eager one, interleaved in one timing.
+        # The compiled candidates against the eager ones that came close to the best,
+        # interleaved in one timing: figures from two timings are not compared.
+        lead = figures[_name(best_eager)]
+        rivals = [p for p in eager if figures[_name(p)] >= KEEP * lead]
         second = _timed_or_cached(
-            net, [*to_time, best_eager], device, model_args, batch_size, use_cache
+            net, [*to_time, *rivals], device, model_args, batch_size, use_cache
         )
         figures.update(second.figures)
         compile_s = second.compile_s
