@@ -368,4 +368,3 @@ def test_timing_drops_a_clearly_slower_candidate_after_one_round(monkeypatch):
     # reference alone is left: nothing more to compare.
     assert steps == {"reference": 3, "slow": 3}
     assert set(timing.first_step_s) == {"reference 32-true", "slow 32-true"}
-
