@@ -298,6 +298,9 @@ def test_auto_times_a_first_compile_only_when_the_training_time_pays_for_it(tmp_
     record = choose_mod.compile_record(CPU, TINY)
     assert record.compile_s == {"compile 32-true": 40.0}
     assert record.trained_s == pytest.approx(1210, abs=1)
+    # A second process of the same DDP run trains alongside: its seconds are not added.
+    choose(net, **args, planned_steps=13_200, count_training=False)
+    assert choose_mod.compile_record(CPU, TINY).trained_s == pytest.approx(1210, abs=1)
     # From now on a short run finds the compiled answer in the cache, timing nothing.
     again = choose(net, **args, planned_steps=110)
     assert (again.path, again.how, len(calls)) == ("compile", "cached", 2)

@@ -18,6 +18,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 
@@ -295,6 +296,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             cfg.trainer, getattr(datamodule, "train_size", None), cfg.data.batch_size, start_step
         ),
         use_cache=bool(speed.get("cache", True)),
+        # DDP's processes train side by side: the run's seconds count once.
+        count_training=rank_zero_only.rank == 0,
     )
     module.use_speed_path(choice.path)
     module.record_compiles = bool(speed.get("cache", True))

@@ -429,6 +429,7 @@ def choose(
     planned_steps: int | None = None,
     use_cache: bool = True,
     record: CompileRecord | None = None,
+    count_training: bool = True,
 ) -> Choice:
     """The path and precision to train ``net`` with on ``device``.
 
@@ -452,6 +453,9 @@ def choose(
             training time.
         record: what this machine has compiled and trained for this model; by default
             read from ``$VIT_MNIST_CACHE/compile_times.json`` (also without ``use_cache``).
+        count_training: add this run's planned seconds to the model's training time here;
+            False in every process of a multi-process run but one, which trains the same
+            seconds alongside it.
 
     Raises:
         ConfigError: an unknown path, or a forced one that cannot run here.
@@ -493,7 +497,7 @@ def choose(
             compile_budget=compile_budget,
             skipped=skipped,
         )
-        if use_cache and include_compiled == "auto" and run_s > 0:
+        if use_cache and count_training and include_compiled == "auto" and run_s > 0:
             _add_trained_s(device, model_args, run_s)
     if to_time:
         # The compiled candidates against the eager ones that came close to the best,
