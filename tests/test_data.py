@@ -102,8 +102,41 @@ def test_batch_random_affine_identity_and_fill():
     assert not torch.allclose(out[0], out[1])
 
 
+def test_elastic_distortion_is_simards_smoothed_field_per_image():
+    from torchvision.transforms.functional import gaussian_blur
+
+    from vit_mnist.data.augment import BatchRandomAffine
+
+    elastic = BatchRandomAffine(elastic_alpha=34, elastic_sigma=4, fill=-0.4)
+    x = torch.randn(6, 1, 28, 28)
+    torch.manual_seed(0)
+    field = elastic._elastic(x)
+    torch.manual_seed(0)
+    noise = torch.empty(6, 2, 28, 28).uniform_(-1, 1)
+    # The same blur as torchvision's (kernel over +-4 sigma, borders reflected), in pixels.
+    pixels = gaussian_blur(noise, [33, 33], [4.0, 4.0]).permute(0, 2, 3, 1) * 34
+    torch.testing.assert_close(field * 14, pixels, atol=1e-5, rtol=1e-5)
+    # About 1.4 pixels (standard deviation) for Simard's alpha 34, sigma 4.
+    assert 1.0 < (field * 14).std().item() < 2.5
+    # A black image stays black, each image gets its own field, and alpha 0 is the identity.
+    torch.testing.assert_close(
+        elastic(torch.full((4, 1, 28, 28), -0.4)), torch.full((4, 1, 28, 28), -0.4)
+    )
+    out = elastic(torch.randn(1, 1, 28, 28).expand(4, 1, 28, 28))
+    assert not torch.allclose(out[0], out[1])
+    torch.testing.assert_close(BatchRandomAffine(elastic_sigma=4)(x), x, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize(
-    "kwargs", [{"degrees": -1}, {"translate": -0.1}, {"scale": (1.2, 0.8)}, {"scale": (0, 1)}]
+    "kwargs",
+    [
+        {"degrees": -1},
+        {"translate": -0.1},
+        {"scale": (1.2, 0.8)},
+        {"scale": (0, 1)},
+        {"elastic_alpha": -1},
+        {"elastic_sigma": 0},
+    ],
 )
 def test_batch_random_affine_rejects_bad_ranges(kwargs):
     from vit_mnist.data.augment import BatchRandomAffine

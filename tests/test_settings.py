@@ -90,6 +90,8 @@ BAD = [
     ("train", ["model.causal=maybe"], ["model.causal=maybe", "true or false"]),
     ("train", ["data.augment.translate=2"], ["data.augment.translate=2", "[0, 1]"]),
     ("train", ["data.augment.scale=[0,1]"], ["data.augment.scale=[0,1]", "> 0"]),
+    ("train", ["data.augment.elastic_alpha=-1"], ["data.augment.elastic_alpha=-1", ">= 0"]),
+    ("train", ["data.augment.elastic_sigma=0"], ["data.augment.elastic_sigma=0", "> 0"]),
     ("train", ["speed.cache=sometimes"], ["speed.cache=sometimes", "true or false"]),
     ("train", ["speed.auto_compile=maybe"], ["speed.auto_compile=maybe", "auto, true or false"]),
     ("train", ["speed.compile_budget=2"], ["speed.compile_budget=2", "in [0, 1]"]),

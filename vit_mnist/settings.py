@@ -148,6 +148,8 @@ class AugmentSettings:
     scale: list[float] = _setting(gt=0, each=True, length=2, example="data.augment.scale=[0.9,1.1]")
     hflip: bool = _setting()
     erasing: float = _setting(ge=0, le=1, example="data.augment.erasing=0.25")
+    elastic_alpha: float = _setting(ge=0, example="data.augment.elastic_alpha=34")
+    elastic_sigma: float = _setting(gt=0, example="data.augment.elastic_sigma=4")
 
 
 @dataclass

@@ -16,8 +16,21 @@ def _uniform(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     return torch.empty(x.shape[0], device=x.device).uniform_(lo, hi)
 
 
+def _gaussian_matrix(n: int, sigma: float, like: torch.Tensor) -> torch.Tensor:
+    """(n, n) matrix M such that ``M @ s`` blurs a signal ``s`` of length ``n`` with a
+    Gaussian of ``sigma`` samples over +-4 sigma (cut to n - 1), borders reflected."""
+    r = min(math.ceil(4 * sigma), n - 1)
+    t = torch.arange(-r, r + 1, device=like.device, dtype=like.dtype)
+    g = torch.exp(-0.5 * (t / sigma) ** 2)
+    eye = torch.eye(n, device=like.device, dtype=like.dtype).unsqueeze(1)
+    # Row j of the blurred identity is the blur of the unit signal e_j: column j of M.
+    blurred = F.conv1d(F.pad(eye, (r, r), mode="reflect"), (g / g.sum()).view(1, 1, -1))
+    return blurred.squeeze(1).T
+
+
 class BatchRandomAffine(nn.Module):
-    """A random rotation, scale and translation per image, for a whole batch at once.
+    """A random rotation, scale and translation per image, and optionally an elastic
+    distortion, for a whole batch at once.
 
     One ``affine_grid`` + ``grid_sample`` call for the batch instead of one PIL
     transform per image: cheap on a CPU and free on a GPU. Pixels that come from
@@ -31,12 +44,21 @@ class BatchRandomAffine(nn.Module):
         hflip: mirror each image left-right with probability 1/2 (for Fashion-MNIST;
             never for digits).
         fill: value of the pixels brought in from outside the image.
+        elastic_alpha: strength of the elastic distortion in pixels (0 = off): each pixel
+            reads from ``alpha`` times a random field, uniform in [-1, 1] per pixel and
+            direction, smoothed by a Gaussian of ``elastic_sigma`` pixels; Simard et al.
+            2003, "Best Practices for Convolutional Neural Networks Applied to Visual
+            Document Analysis", section 2, used alpha 34 and sigma 4 on MNIST (displacements
+            of about 1.4 pixels, standard deviation). Drawn per image, added to the
+            affine map, so the batch is still resampled once.
+        elastic_sigma: the smoothing's standard deviation in pixels.
 
     Shapes: (batch, channels, H, W) float -> same shape and dtype.
 
     Raises:
-        ConfigError: negative ``degrees``, ``translate`` outside [0, 1], or a non-positive or
-            reversed ``scale`` range.
+        ConfigError: negative ``degrees``, ``translate`` outside [0, 1], a non-positive or
+            reversed ``scale`` range, a negative ``elastic_alpha`` or a non-positive
+            ``elastic_sigma``.
     """
 
     def __init__(
@@ -47,6 +69,8 @@ class BatchRandomAffine(nn.Module):
         scale: tuple[float, float] | list[float] = (1.0, 1.0),
         hflip: bool = False,
         fill: float = 0.0,
+        elastic_alpha: float = 0.0,
+        elastic_sigma: float = 4.0,
     ) -> None:
         super().__init__()
         self.hflip = bool(hflip)
@@ -63,6 +87,26 @@ class BatchRandomAffine(nn.Module):
         if not 0 < lo <= hi:
             raise ConfigError(f"augment.scale={list(scale)} must be [min, max] with 0 < min <= max")
         self.degrees, self.translate, self.scale, self.fill = degrees, translate, (lo, hi), fill
+        if elastic_alpha < 0:
+            raise ConfigError(
+                f"augment.elastic_alpha={elastic_alpha} must be >= 0 pixels (0 = off, e.g. 34)"
+            )
+        if elastic_sigma <= 0:
+            raise ConfigError(f"augment.elastic_sigma={elastic_sigma} must be > 0 pixels (e.g. 4)")
+        self.elastic_alpha, self.elastic_sigma = elastic_alpha, elastic_sigma
+
+    def _elastic(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, W, 2) displacements in ``affine_grid``'s [-1, 1] coordinates."""
+        b, _, h, w = x.shape
+        noise = torch.empty(b, 2, h, w, device=x.device, dtype=x.dtype).uniform_(-1, 1)
+        # The Gaussian blur is separable: two small matrix products, tens of times faster
+        # on a CPU than torchvision's gaussian_blur, which convolves with the square kernel.
+        blur_h = _gaussian_matrix(h, self.elastic_sigma, x)
+        blur_w = _gaussian_matrix(w, self.elastic_sigma, x)
+        field = blur_h @ noise @ blur_w.T
+        # A shift of d pixels is 2 d / size in [-1, 1] coordinates.
+        scale = torch.tensor([2 / w, 2 / h], device=x.device, dtype=x.dtype)
+        return field.permute(0, 2, 3, 1) * self.elastic_alpha * scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         angle = _uniform(x, -self.degrees, self.degrees) * (math.pi / 180)
@@ -81,6 +125,8 @@ class BatchRandomAffine(nn.Module):
             [torch.stack([cos_x, -sin, tx], dim=1), torch.stack([sin_x, cos, ty], dim=1)], dim=1
         ).to(x.dtype)  # (B, 2, 3)
         grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+        if self.elastic_alpha:
+            grid = grid + self._elastic(x)
         # grid_sample pads with zeros: shift the background to 0 and back.
         out = F.grid_sample(
             x - self.fill, grid, mode="bilinear", padding_mode="zeros", align_corners=False
@@ -90,7 +136,8 @@ class BatchRandomAffine(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"degrees={self.degrees}, translate={self.translate}, scale={self.scale}, "
-            f"hflip={self.hflip}"
+            f"hflip={self.hflip}, elastic_alpha={self.elastic_alpha}, "
+            f"elastic_sigma={self.elastic_sigma}"
         )
 
 
@@ -156,8 +203,8 @@ class BatchAugment(nn.Sequential):
     Args:
         erasing: probability of :class:`BatchRandomErasing` per image (0 = off).
         fill: the normalised value of a black pixel.
-        **affine: ``degrees``, ``translate``, ``scale``, ``hflip`` of
-            :class:`BatchRandomAffine`.
+        **affine: ``degrees``, ``translate``, ``scale``, ``hflip``, ``elastic_alpha``,
+            ``elastic_sigma`` of :class:`BatchRandomAffine`.
 
     Raises:
         ConfigError: from either part.
