@@ -118,6 +118,10 @@ def test_hydra_errors_are_one_line(monkeypatch, capsys):
     assert all(name in group for name in ("mnist", "fashion_mnist", "synthetic"))
     run_dir = hydra_error(monkeypatch, capsys, "hydra.run.dir=/proc/no/such/dir")
     assert "/proc/no" in run_dir and "hydra.run.dir=PATH" in run_dir
+    # A real setting that the YAML leaves out: the + to add it, not "did you mean" itself.
+    unset = hydra_error(monkeypatch, capsys, "trainer.gradient_clip_val=1.0")
+    assert "add it with a +: +trainer.gradient_clip_val=1.0" in unset
+    assert "did you mean" not in unset
 
 
 def test_train_cli_with_user_overrides_then_eval(tmp_path):

@@ -128,6 +128,8 @@ def _unknown_override(key: str, text: str, command: str) -> str:
     value = assignment.group(1).partition("=")[2] if assignment else "..."
     section, _, name = key.rpartition(".")
     close = difflib.get_close_matches(name, known_keys(SETTINGS[command], section), n=1)
+    if close == [name]:  # a setting that this config's YAML leaves out
+        return f"{key} is not set by this config; add it with a +: +{key}={value}"
     if close:
         nearest = f"{section}.{close[0]}" if section else close[0]
         if section.split(".")[0] in _OPEN_SECTIONS:  # the YAML may not set it yet
