@@ -49,7 +49,7 @@ class BatchRandomAffine(nn.Module):
             direction, smoothed by a Gaussian of ``elastic_sigma`` pixels; Simard et al.
             2003, "Best Practices for Convolutional Neural Networks Applied to Visual
             Document Analysis", section 2, used alpha 34 and sigma 4 on MNIST (displacements
-            of about 1.4 pixels, standard deviation). Drawn per image, added to the
+            of about 1.7 pixels, standard deviation). Drawn per image, added to the
             affine map, so the batch is still resampled once.
         elastic_sigma: the smoothing's standard deviation in pixels.
 
