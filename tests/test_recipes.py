@@ -191,9 +191,9 @@ def test_heads_sweep_is_a_multirun_over_heads_and_seeds():
 # ---------------------------------------------------------------- results
 
 
-def fake_run(path, *, heads, seed, acc, val=0.9, dataset="mnist"):
+def fake_run(path, *, heads, seed, acc, val=0.9, dataset="mnist", extra=()):
     (path / ".hydra").mkdir(parents=True)
-    overrides = ["experiment=heads_sweep", f"model.num_heads={heads}", f"seed={seed}"]
+    overrides = ["experiment=heads_sweep", f"model.num_heads={heads}", *extra, f"seed={seed}"]
     (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     metrics = {
         "test/acc": acc,
@@ -231,6 +231,18 @@ def test_results_table_groups_seeds_and_reports_mean_and_std(tmp_path):
     assert table.count("\n") == 2 + 2
     png = heads_plot(rows, tmp_path / "heads.png", "test")
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_results_command_quotes_what_a_shell_would_expand(tmp_path):
+    for seed in (1, 2):
+        extra = ["data.augment.scale=[0.95,1.05]"]
+        fake_run(tmp_path / "runs" / str(seed), heads=4, seed=seed, acc=0.99, extra=extra)
+    (row,) = group_rows(find_runs([tmp_path / "runs"]))
+    # Unquoted, bash would read [0.95,1.05] as a glob pattern.
+    assert row.command() == (
+        "python train.py -m experiment=heads_sweep model.num_heads=4 "
+        "'data.augment.scale=[0.95,1.05]' seed=1,2"
+    )
 
 
 def test_heads_report_summarises_every_head_and_replaces_its_own_section(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import shlex
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -50,9 +51,10 @@ class Run:
         return device
 
     def command(self) -> str:
-        """``python train.py`` with this run's overrides, seed and Hydra's own left out."""
+        """``python train.py`` with this run's overrides, seed and Hydra's own left out,
+        each quoted where a shell would read it (``[0.95,1.05]`` is a glob pattern)."""
         kept = [o for o in self.overrides if not o.startswith(("seed=", "hydra.", "hydra/"))]
-        return " ".join(["python train.py", *kept])
+        return " ".join(["python train.py", *map(shlex.quote, kept)])
 
 
 @dataclass
