@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -16,13 +17,17 @@ def _uniform(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     return torch.empty(x.shape[0], device=x.device).uniform_(lo, hi)
 
 
-def _gaussian_matrix(n: int, sigma: float, like: torch.Tensor) -> torch.Tensor:
+@functools.lru_cache(maxsize=8)
+def _gaussian_matrix(
+    n: int, sigma: float, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     """(n, n) matrix M such that ``M @ s`` blurs a signal ``s`` of length ``n`` with a
-    Gaussian of ``sigma`` samples over +-4 sigma (cut to n - 1), borders reflected."""
+    Gaussian of ``sigma`` samples over +-4 sigma (cut to n - 1), borders reflected.
+    Cached: every batch of a run asks for the same one or two."""
     r = min(math.ceil(4 * sigma), n - 1)
-    t = torch.arange(-r, r + 1, device=like.device, dtype=like.dtype)
+    t = torch.arange(-r, r + 1, device=device, dtype=dtype)
     g = torch.exp(-0.5 * (t / sigma) ** 2)
-    eye = torch.eye(n, device=like.device, dtype=like.dtype).unsqueeze(1)
+    eye = torch.eye(n, device=device, dtype=dtype).unsqueeze(1)
     # Row j of the blurred identity is the blur of the unit signal e_j: column j of M.
     blurred = F.conv1d(F.pad(eye, (r, r), mode="reflect"), (g / g.sum()).view(1, 1, -1))
     return blurred.squeeze(1).T
@@ -101,8 +106,8 @@ class BatchRandomAffine(nn.Module):
         noise = torch.empty(b, 2, h, w, device=x.device, dtype=x.dtype).uniform_(-1, 1)
         # The Gaussian blur is separable: two small matrix products, tens of times faster
         # on a CPU than torchvision's gaussian_blur, which convolves with the square kernel.
-        blur_h = _gaussian_matrix(h, self.elastic_sigma, x)
-        blur_w = _gaussian_matrix(w, self.elastic_sigma, x)
+        blur_h = _gaussian_matrix(h, self.elastic_sigma, x.device, x.dtype)
+        blur_w = _gaussian_matrix(w, self.elastic_sigma, x.device, x.dtype)
         field = blur_h @ noise @ blur_w.T
         # A shift of d pixels is 2 d / size in [-1, 1] coordinates.
         scale = torch.tensor([2 / w, 2 / h], device=x.device, dtype=x.dtype)
