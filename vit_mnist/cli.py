@@ -127,9 +127,10 @@ def _unknown_override(key: str, text: str, command: str) -> str:
     assignment = re.search(r"use \+(\S+)", text)
     value = assignment.group(1).partition("=")[2] if assignment else "..."
     section, _, name = key.rpartition(".")
-    close = difflib.get_close_matches(name, known_keys(SETTINGS[command], section), n=1)
-    if close == [name]:  # a setting that this config's YAML leaves out
+    keys = known_keys(SETTINGS[command], section)
+    if name in keys:  # a setting that this config's YAML leaves out
         return f"{key} is not set by this config; add it with a +: +{key}={value}"
+    close = difflib.get_close_matches(name, keys, n=1)
     if close:
         nearest = f"{section}.{close[0]}" if section else close[0]
         if section.split(".")[0] in _OPEN_SECTIONS:  # the YAML may not set it yet
@@ -143,7 +144,7 @@ def _unknown_override(key: str, text: str, command: str) -> str:
             f"{key} is not in the config; to pass one more argument to {section}'s class, "
             f"add it with a +: +{key}={value}"
         )
-    listed = ", ".join(k for k in known_keys(SETTINGS[command], section) if not k.startswith("_"))
+    listed = ", ".join(k for k in keys if not k.startswith("_"))
     where = f"of {section}" if section else "at the top level"
     return f"{key} is not a setting {where} (the settings there: {listed})"
 
