@@ -53,6 +53,7 @@ def check_module_args(
     warmup_epochs: float = 0.0,
     min_lr_ratio: float = 0.0,
     label_smoothing: float = 0.0,
+    test_time_shift: int = 0,
     **_: Any,
 ) -> None:
     """Check the optimizer, schedule and loss settings of :class:`ViTClassifier`.
@@ -72,6 +73,13 @@ def check_module_args(
         raise ConfigError(f"module.min_lr_ratio={min_lr_ratio} must be in [0, 1]")
     if not 0.0 <= label_smoothing < 1.0:
         raise ConfigError(f"module.label_smoothing={label_smoothing} must be in [0, 1)")
+    if isinstance(test_time_shift, bool) or not isinstance(test_time_shift, int):
+        raise ConfigError(
+            f"module.test_time_shift={test_time_shift!r} must be a whole number of pixels "
+            "(0 turns test-time augmentation off, 1 averages 9 shifted copies)"
+        )
+    if test_time_shift < 0:
+        raise ConfigError(f"module.test_time_shift={test_time_shift} must be >= 0")
 
 
 class ViTClassifier(L.LightningModule):
@@ -92,10 +100,19 @@ class ViTClassifier(L.LightningModule):
         warmup_epochs: epochs (may be fractional) of linear warm-up.
         min_lr_ratio: final learning rate of the cosine decay, as a fraction of ``lr``.
         label_smoothing: cross-entropy label smoothing in [0, 1).
+        test_time_shift: test-time augmentation, in pixels. 0 classifies each image
+            once. A positive ``s`` makes the test step and ``predict_step`` (eval.py's
+            reports) average the softmax over 9 copies of each image, shifted by every
+            (dx, dy) in {-s, 0, s}^2 with the border pixels repeated; their scores are
+            the log of that mean. Validation stays one view, so the checkpoint chosen
+            on ``val/acc`` does not depend on it. Simard et al. 2003 (section 2) train
+            on such shifts; averaging over them at test time is the same idea as the
+            ten-crop average of Krizhevsky et al. 2012 (section 4.1).
 
     Logged: ``train/loss`` (per step), ``train/acc``, ``val/loss``, ``val/acc``,
     ``val/acc_best``, ``test/loss`` and ``test/acc`` (per epoch; accuracies are
-    fractions in [0, 1]).
+    fractions in [0, 1]); with ``test_time_shift`` > 0 also ``test/acc_one_view``, the
+    accuracy of the unshifted image alone.
 
     Raises:
         ConfigError: see :func:`check_module_args`, and for the model
@@ -112,6 +129,7 @@ class ViTClassifier(L.LightningModule):
         warmup_epochs: float = 1.0,
         min_lr_ratio: float = 0.01,
         label_smoothing: float = 0.0,
+        test_time_shift: int = 0,
     ) -> None:
         super().__init__()
         check_module_args(
@@ -120,6 +138,7 @@ class ViTClassifier(L.LightningModule):
             warmup_epochs=warmup_epochs,
             min_lr_ratio=min_lr_ratio,
             label_smoothing=label_smoothing,
+            test_time_shift=test_time_shift,
         )
         self.save_hyperparameters()
         self.net = VisionTransformer(**{k: v for k, v in model.items() if k != "compile"})
@@ -136,6 +155,7 @@ class ViTClassifier(L.LightningModule):
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.test_acc_one_view = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
         self.val_acc_best = MaxMetric()
@@ -243,12 +263,42 @@ class ViTClassifier(L.LightningModule):
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
         return loss
 
+    def _shift_averaged(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores and one-view logits of images ``x`` (B, C, H, W) float.
+
+        Returns:
+            ``(scores, logits)``, both (B, num_classes): the logits of ``x`` itself, and
+            the scores the test step judges: the same logits when ``test_time_shift`` is
+            0, else the float32 log of the softmax averaged over the 9 shifted copies.
+        """
+        logits = self._step_forward(x)
+        s = self.hparams.get("test_time_shift", 0)
+        if not s:
+            return logits, logits
+        h, w = x.shape[-2:]
+        # Repeating the border pixels shifts background in: MNIST-style digits sit inside
+        # a blank margin of 4 pixels.
+        padded = nn.functional.pad(x, (s, s, s, s), mode="replicate")
+        probs = logits.float().softmax(-1)
+        for dy in (-s, 0, s):
+            for dx in (-s, 0, s):
+                if dx or dy:
+                    view = padded[..., s + dy : s + dy + h, s + dx : s + dx + w].contiguous()
+                    probs = probs + self._step_forward(view).float().softmax(-1)
+        return (probs / 9).log(), logits
+
     def _eval_step(self, batch, acc: MulticlassAccuracy, mean_loss: MeanMetric, stage: str):
         x, y = batch
-        logits = self._step_forward(x)
+        if stage == "test":
+            scores, logits = self._shift_averaged(x)
+            if scores is not logits:
+                self.test_acc_one_view(logits, y)
+                self.log("test/acc_one_view", self.test_acc_one_view, on_step=False, on_epoch=True)
+        else:
+            scores = self._step_forward(x)
         # Unsmoothed loss: comparable across label_smoothing settings.
-        loss = nn.functional.cross_entropy(logits.float(), y)
-        acc(logits, y)
+        loss = nn.functional.cross_entropy(scores.float(), y)
+        acc(scores, y)
         mean_loss(loss, weight=len(y))
         self.log(f"{stage}/loss", mean_loss, on_step=False, on_epoch=True, prog_bar=stage == "val")
         self.log(f"{stage}/acc", acc, on_step=False, on_epoch=True, prog_bar=True)
@@ -265,9 +315,10 @@ class ViTClassifier(L.LightningModule):
         self._eval_step(batch, self.test_acc, self.test_loss, "test")
 
     def predict_step(self, batch, batch_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(images, labels) or images -> (float32 logits (B, num_classes), labels or None)."""
+        """(images, labels) or images -> (float32 scores (B, num_classes), labels or None):
+        the logits, or with ``test_time_shift`` > 0 the log of the shift-averaged softmax."""
         x, y = batch if isinstance(batch, list | tuple) else (batch, None)
-        return self(x).float(), y
+        return self._shift_averaged(x)[0].float(), y
 
     def configure_optimizers(self):
         decay, no_decay = [], []

@@ -139,6 +139,7 @@ class ModuleSettings:
     warmup_epochs: float = _setting(ge=0, example="module.warmup_epochs=1")
     min_lr_ratio: float = _setting(ge=0, le=1, example="module.min_lr_ratio=0.01")
     label_smoothing: float = _setting(ge=0, lt=1, example="module.label_smoothing=0.1")
+    test_time_shift: int = _setting(ge=0, example="module.test_time_shift=1")
 
 
 @dataclass
