@@ -17,8 +17,10 @@ from tests.conftest import compose_config
 from tests.test_train import check_run
 from vit_mnist.analysis.heads import heads_zeroed
 from vit_mnist.checkpointing import resolve_ckpt_path
+from vit_mnist.errors import ConfigError
 from vit_mnist.evaluate import evaluate
 from vit_mnist.models import VisionTransformer
+from vit_mnist.module import ViTClassifier
 from vit_mnist.predict import load_model, mnist_preprocess, predict_images
 from vit_mnist.train import train
 
@@ -266,3 +268,47 @@ def test_real_mnist_eval_and_prediction_on_saved_images(mnist_dir, tmp_path):
         json.loads((tmp_path / "eval" / "metrics.json").read_text())["test/acc"]
         == result["test/acc"]
     )
+
+
+def test_test_time_shift_averages_the_softmax_of_nine_shifted_copies():
+    torch.manual_seed(0)
+    model = {"embed_dim": 16, "depth": 1, "num_heads": 2, "patch_size": 7, "mlp_ratio": 1.0}
+    module = ViTClassifier(model=model, test_time_shift=2).eval()
+    x = torch.randn(3, 1, 28, 28)
+    scores, logits = module._shift_averaged(x)
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2), mode="replicate")
+    views = [
+        padded[..., 2 + dy : 30 + dy, 2 + dx : 30 + dx] for dy in (-2, 0, 2) for dx in (-2, 0, 2)
+    ]
+    # A shift by (dx, dy) moves pixel (r, c) to (r + dy, c + dx), edge pixels repeated.
+    assert torch.equal(views[0][..., 2:, 2:], x[..., :-2, :-2])
+    expected = torch.stack([module.net(v).softmax(-1) for v in views]).mean(0).log()
+    torch.testing.assert_close(scores, expected)
+    torch.testing.assert_close(logits, module.net(x))
+    assert torch.allclose(scores.exp().sum(-1), torch.ones(3))
+    module.hparams.test_time_shift = 0
+    plain_scores, plain_logits = module._shift_averaged(x)
+    assert plain_scores is plain_logits
+    with pytest.raises(ConfigError, match=r"module.test_time_shift=1.5"):
+        ViTClassifier(model=model, test_time_shift=1.5)
+
+
+def test_eval_on_the_validation_split_with_a_test_time_shift(synthetic_ckpt, tmp_path):
+    ckpt, train_metrics = synthetic_ckpt
+    args = [f"ckpt_path={ckpt}", "trainer=cpu", "split=val"]
+    one_view = evaluate(compose_config("eval", args, tmp_path / "one"))
+    assert one_view["split"] == "val" and one_view["test_time_shift"] == 0
+    assert one_view["num_val_images"] == 128 and "test/acc" not in one_view
+    # The validation accuracy the training run logged for this checkpoint.
+    saved = torch.load(ckpt, weights_only=True)
+    assert one_view["val/acc"] == pytest.approx(saved["val_acc_best"])
+    shifted = evaluate(compose_config("eval", [*args, "test_time_shift=1"], tmp_path / "tta"))
+    assert shifted["test_time_shift"] == 1
+    assert shifted["val/acc_one_view"] == one_view["val/acc"]
+    assert (
+        json.loads((tmp_path / "tta" / "metrics.json").read_text())["val/acc"] == shifted["val/acc"]
+    )
+    with pytest.raises(ConfigError, match="split=val"):
+        evaluate(compose_config("eval", [*args, "analysis=heads"], tmp_path / "heads"))
+    with pytest.raises(ConfigError, match="split='train'"):
+        evaluate(compose_config("eval", [f"ckpt_path={ckpt}", "split=train"], tmp_path / "x"))

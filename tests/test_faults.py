@@ -192,6 +192,7 @@ BAD_SETTINGS = [
     (["module.lr=-1e-3"], ["module.lr=-0.001"]),
     (["module.weight_decay=-1"], ["module.weight_decay=-1"]),
     (["module.label_smoothing=1.5"], ["module.label_smoothing=1.5"]),
+    (["module.test_time_shift=-1"], ["module.test_time_shift=-1"]),
     (["trainer.max_epochs=0"], ["trainer.max_epochs=0"]),
     (["trainer.precision=16-mixed"], ["trainer.precision=16-mixed", "cpu"]),
     (["trainer.precision=banana"], ["trainer.precision=banana"]),

@@ -191,7 +191,7 @@ def test_heads_sweep_is_a_multirun_over_heads_and_seeds():
 # ---------------------------------------------------------------- results
 
 
-def fake_run(path, *, heads, seed, acc, val=0.9, dataset="mnist", extra=()):
+def fake_run(path, *, heads, seed, acc, val=0.9, dataset="mnist", extra=(), more=None):
     (path / ".hydra").mkdir(parents=True)
     overrides = ["experiment=heads_sweep", f"model.num_heads={heads}", *extra, f"seed={seed}"]
     (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
@@ -209,6 +209,7 @@ def fake_run(path, *, heads, seed, acc, val=0.9, dataset="mnist", extra=()):
         "model": {"num_heads": heads, "embed_dim": 64},
         "train/acc": acc + 0.01,
         "val/acc": val,
+        **(more or {}),
     }
     (path / "metrics.json").write_text(json.dumps(metrics))
 
@@ -231,6 +232,14 @@ def test_results_table_groups_seeds_and_reports_mean_and_std(tmp_path):
     assert table.count("\n") == 2 + 2
     png = heads_plot(rows, tmp_path / "heads.png", "test")
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_results_table_names_test_time_augmentation_and_its_one_view_accuracy(tmp_path):
+    for seed, (acc, one_view) in enumerate([(0.995, 0.994), (0.996, 0.993)], start=1):
+        more = {"test/acc_one_view": one_view}
+        fake_run(tmp_path / "runs" / str(seed), heads=4, seed=seed, acc=acc, more=more)
+    table = markdown_table(group_rows(find_runs([tmp_path / "runs"])))
+    assert "99.55 +- 0.07 (n=2), shifted copies averaged (one view: 99.35) |" in table
 
 
 def test_results_command_quotes_what_a_shell_would_expand(tmp_path):

@@ -51,10 +51,21 @@ log = logging.getLogger(__name__)
 ANALYSES = ("heads", "faithfulness", "prune")
 
 
+# The values of `split=`: the images the report is computed on.
+SPLITS = ("test", "val")
+
+
 def _check_analysis(cfg: DictConfig) -> None:
     if cfg.get("analysis") not in (None, "none", *ANALYSES):
         raise ConfigError(
             f"analysis={cfg.analysis!r} is unknown; use one of {list(ANALYSES)} or leave it out"
+        )
+    split = cfg.get("split", "test")
+    if split not in SPLITS:
+        raise ConfigError(f"split={split!r} is unknown; use one of {list(SPLITS)}")
+    if split != "test" and cfg.get("analysis") not in (None, "none"):
+        raise ConfigError(
+            f"analysis={cfg.analysis} runs on the test images; drop split={split} to run it"
         )
 
 
@@ -65,6 +76,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     one the checkpoint was trained on unless ``cfg.data`` is given. The precision is the
     one used in training, so the test accuracy matches the training run's. Loaded on the
     CPU first, so a checkpoint trained on a GPU evaluates anywhere.
+
+    ``split=val`` computes the same report on the validation images the training run held
+    out (its keys then start with ``val/``), so that an evaluation setting such as
+    ``test_time_shift`` can be chosen without looking at the test set.
+    ``test_time_shift`` (pixels; null keeps the checkpoint's own) sets the test-time
+    augmentation of :class:`~vit_mnist.module.ViTClassifier`.
 
     Writes ``metrics.json`` (overall and per-class metrics, the confusion matrix),
     ``per_class.csv``, ``confusion_matrix.png``, ``misclassified.png``,
@@ -82,8 +99,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
     Raises:
         CheckpointError: see :func:`read_checkpoint` and :func:`resolve_ckpt_path`.
-        ConfigError: an unknown ``analysis``, ``faithfulness.num_images`` < 1, or a
-            ``prune.*`` fraction out of range.
+        ConfigError: an unknown ``analysis`` or ``split``, an analysis with
+            ``split=val``, ``faithfulness.num_images`` < 1, or a ``prune.*`` fraction out
+            of range.
     """
     _check_analysis(cfg)
     ckpt_path = resolve_ckpt_path(cfg)
@@ -93,8 +111,17 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     out = Path(cfg.paths.output_dir)
 
     datamodule = checkpoint_datamodule(cfg, ckpt_path, run_info)
+    split = cfg.get("split", "test")
+    if split == "val":
+        # Lightning's test loop (its metrics, and the test step's test-time augmentation)
+        # run on the held-out validation images instead of the test images.
+        datamodule.test_dataloader = datamodule.val_dataloader
 
-    module = ViTClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True)
+    shift = cfg.get("test_time_shift")
+    overrides = {} if shift is None else {"test_time_shift": shift}
+    module = ViTClassifier.load_from_checkpoint(
+        ckpt_path, map_location="cpu", weights_only=True, **overrides
+    )
     # The training precision, unless `precision=` says otherwise: bf16 and fp32 logits can
     # differ in the last bits, and the accuracy should match the training run's.
     on_cuda = uses_cuda(str(cfg.trainer.accelerator))
@@ -108,6 +135,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values()]
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers, precision=precision)
     results = trainer.test(module, datamodule=datamodule)[0]
+    if split != "test":
+        results = {k.replace("test/", f"{split}/", 1): v for k, v in results.items()}
 
     loader = datamodule.test_dataloader()
     logits, labels = predict(trainer, module, loader)
@@ -117,7 +146,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     rows, cm = class_report(logits, labels, class_names)
     write_csv(out / "per_class.csv", rows)
     dataset = getattr(datamodule, "name", type(datamodule).__name__)
-    cm_figure = confusion_matrix_figure(cm, class_names, f"{dataset} test set, {ckpt_path.name}")
+    cm_figure = confusion_matrix_figure(cm, class_names, f"{dataset} {split} set, {ckpt_path.name}")
     grid, num_tiles = misclassified_grid(images, logits, labels, class_names)
     save_png(grid, out / "misclassified.png")
     relevance_grid, relevance_columns = misclassified_relevance_grid(
@@ -135,12 +164,14 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             writer.add_image("misclassified_relevance", relevance_grid)
         for r in rows:
             for key in ("accuracy", "precision", "recall"):
-                writer.add_scalar(f"test_per_class/{key}/{r['name']}", r[key])
+                writer.add_scalar(f"{split}_per_class/{key}/{r['name']}", r[key])
     save_figure(cm_figure, out / "confusion_matrix.png")
 
     metrics = {
         **results,
-        "num_test_images": len(labels),
+        "split": split,
+        "test_time_shift": module.hparams.get("test_time_shift", 0),
+        f"num_{split}_images": len(labels),
         "num_misclassified": int((logits.argmax(1) != labels).sum()),
         "misclassified_tiles": num_tiles,
         "misclassified_relevance_columns": relevance_columns,
@@ -155,7 +186,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "dataset": dataset,
         "data_source": getattr(datamodule, "source", None),
     }
-    print(f"test/acc = {results['test/acc']:.4f}  (test/loss = {results['test/loss']:.4f})")
+    acc, loss = results[f"{split}/acc"], results[f"{split}/loss"]
+    print(f"{split}/acc = {acc:.4f}  ({split}/loss = {loss:.4f})")
 
     # A quiet trainer for the many evaluation passes of heads and prune: no progress bars,
     # no logger.

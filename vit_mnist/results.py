@@ -96,6 +96,10 @@ class Row:
         mean, std = self.test_acc
         val = self._values("val/acc_best")
         fit = self.fit_times()
+        test = f"{mean:.2f} +- {std:.2f} (n={len(seeds)})"
+        one_view = [100 * v for v in self._values("test/acc_one_view")]
+        if one_view:  # module.test_time_shift: the accuracy above averages shifted copies
+            test += f", shifted copies averaged (one view: {statistics.fmean(one_view):.2f})"
         return [
             DATASET_NAMES.get(m.get("dataset"), str(m.get("dataset"))),
             str(m.get("experiment") or "-"),
@@ -103,7 +107,7 @@ class Row:
             str(m.get("epochs")),
             f"{self.runs[0].device()}, {m.get('precision')}",
             _seconds(statistics.fmean(fit)) if fit else "-",
-            f"{mean:.2f} +- {std:.2f} (n={len(seeds)})",
+            test,
             f"{100 * statistics.fmean(val):.2f}" if val else "-",
             f"`{self.command()}`",
         ]

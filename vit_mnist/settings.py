@@ -246,6 +246,8 @@ class EvalSettings:
     seed: int = _seed()
     ckpt_path: str = _setting(example="ckpt_path=latest")
     analysis: str | None = _setting(choices=[None, "heads", "faithfulness", "prune"])
+    split: str = _setting(choices=["test", "val"])
+    test_time_shift: int | None = _setting(ge=0, example="test_time_shift=1")
     faithfulness: FaithfulnessSettings = field(default_factory=FaithfulnessSettings)
     precision: Any = _setting(check=_precision)
     prune: PruneSettings = field(default_factory=PruneSettings)
