@@ -275,7 +275,7 @@ def test_test_time_shift_averages_the_softmax_of_nine_shifted_copies():
     model = {"embed_dim": 16, "depth": 1, "num_heads": 2, "patch_size": 7, "mlp_ratio": 1.0}
     module = ViTClassifier(model=model, test_time_shift=2).eval()
     x = torch.randn(3, 1, 28, 28)
-    scores, logits = module._shift_averaged(x)
+    scores, logits = module._shift_averaged(x, module.net)
     padded = torch.nn.functional.pad(x, (2, 2, 2, 2), mode="replicate")
     views = [
         padded[..., 2 + dy : 30 + dy, 2 + dx : 30 + dx] for dy in (-2, 0, 2) for dx in (-2, 0, 2)
@@ -287,7 +287,7 @@ def test_test_time_shift_averages_the_softmax_of_nine_shifted_copies():
     torch.testing.assert_close(logits, module.net(x))
     assert torch.allclose(scores.exp().sum(-1), torch.ones(3))
     module.hparams.test_time_shift = 0
-    plain_scores, plain_logits = module._shift_averaged(x)
+    plain_scores, plain_logits = module._shift_averaged(x, module.net)
     assert plain_scores is plain_logits
     with pytest.raises(ConfigError, match=r"module.test_time_shift=1.5"):
         ViTClassifier(model=model, test_time_shift=1.5)

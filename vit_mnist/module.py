@@ -7,6 +7,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -263,15 +264,18 @@ class ViTClassifier(L.LightningModule):
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
         return loss
 
-    def _shift_averaged(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scores and one-view logits of images ``x`` (B, C, H, W) float.
+    def _shift_averaged(
+        self, x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores and one-view logits of images ``x`` (B, C, H, W) float, by ``forward``
+        (the speed path's step, or the reference model).
 
         Returns:
             ``(scores, logits)``, both (B, num_classes): the logits of ``x`` itself, and
             the scores the test step judges: the same logits when ``test_time_shift`` is
             0, else the float32 log of the softmax averaged over the 9 shifted copies.
         """
-        logits = self._step_forward(x)
+        logits = forward(x)
         s = self.hparams.get("test_time_shift", 0)
         if not s:
             return logits, logits
@@ -284,13 +288,13 @@ class ViTClassifier(L.LightningModule):
             for dx in (-s, 0, s):
                 if dx or dy:
                     view = padded[..., s + dy : s + dy + h, s + dx : s + dx + w].contiguous()
-                    probs = probs + self._step_forward(view).float().softmax(-1)
+                    probs = probs + forward(view).float().softmax(-1)
         return (probs / 9).log(), logits
 
     def _eval_step(self, batch, acc: MulticlassAccuracy, mean_loss: MeanMetric, stage: str):
         x, y = batch
         if stage == "test":
-            scores, logits = self._shift_averaged(x)
+            scores, logits = self._shift_averaged(x, self._step_forward)
             if scores is not logits:
                 self.test_acc_one_view(logits, y)
                 self.log("test/acc_one_view", self.test_acc_one_view, on_step=False, on_epoch=True)
@@ -318,7 +322,7 @@ class ViTClassifier(L.LightningModule):
         """(images, labels) or images -> (float32 scores (B, num_classes), labels or None):
         the logits, or with ``test_time_shift`` > 0 the log of the shift-averaged softmax."""
         x, y = batch if isinstance(batch, list | tuple) else (batch, None)
-        return self._shift_averaged(x)[0].float(), y
+        return self._shift_averaged(x, self.net)[0].float(), y
 
     def configure_optimizers(self):
         decay, no_decay = [], []
