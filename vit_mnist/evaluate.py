@@ -55,7 +55,7 @@ ANALYSES = ("heads", "faithfulness", "prune")
 SPLITS = ("test", "val")
 
 
-def _check_analysis(cfg: DictConfig) -> None:
+def _check_analysis_and_split(cfg: DictConfig) -> None:
     if cfg.get("analysis") not in (None, "none", *ANALYSES):
         raise ConfigError(
             f"analysis={cfg.analysis!r} is unknown; use one of {list(ANALYSES)} or leave it out"
@@ -103,7 +103,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             ``split=val``, ``faithfulness.num_images`` < 1, or a ``prune.*`` fraction out
             of range.
     """
-    _check_analysis(cfg)
+    _check_analysis_and_split(cfg)
     ckpt_path = resolve_ckpt_path(cfg)
     ckpt = read_checkpoint(ckpt_path)
     run_info = ckpt.get(RUN_INFO_KEY, {})
