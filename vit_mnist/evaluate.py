@@ -170,7 +170,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     metrics = {
         **results,
         "split": split,
-        "test_time_shift": module.hparams.get("test_time_shift", 0),
+        "test_time_shift": module.hparams.test_time_shift,
         f"num_{split}_images": len(labels),
         "num_misclassified": int((logits.argmax(1) != labels).sum()),
         "misclassified_tiles": num_tiles,

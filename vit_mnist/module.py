@@ -276,7 +276,7 @@ class ViTClassifier(L.LightningModule):
             0, else the float32 log of the softmax averaged over the 9 shifted copies.
         """
         logits = forward(x)
-        s = self.hparams.get("test_time_shift", 0)
+        s = self.hparams.test_time_shift
         if not s:
             return logits, logits
         h, w = x.shape[-2:]
