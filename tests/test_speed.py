@@ -20,6 +20,8 @@ from vit_mnist.speed.choose import candidates, choose
 from vit_mnist.speed.forward import (
     ExplicitAttention,
     attention_forward,
+    block_forward,
+    embed_forward,
     explicit_core,
     handwritten_backward_core,
     sdpa_core,
@@ -93,6 +95,42 @@ def test_paths_run_the_models_own_parameters():
             after = forward(torch.ones(2, 1, 28, 28))
             net.head.bias.sub_(1.0)
         torch.testing.assert_close(after, before + 1.0)
+
+
+def test_patch_embedding_as_a_matrix_product_is_the_convolution():
+    """Three channels, so that flattening a patch in another order than the conv weight's
+    (C, p, p) would show; values and gradients of every embedding parameter."""
+    torch.manual_seed(0)
+    net = VisionTransformer(img_size=12, patch_size=4, in_chans=3, **TINY)
+    x = torch.randn(2, 3, 12, 12)
+    params = dict(net.named_parameters())
+    keys = ("patch_embed.proj.weight", "patch_embed.proj.bias", "cls_token", "pos_embed")
+    ref = net._embed(x)
+    out = embed_forward(net, x)
+    torch.testing.assert_close(out, ref)
+    weights = torch.randn_like(ref)  # a loss whose gradient differs per token and feature
+    ref_grads = torch.autograd.grad((ref * weights).sum(), [params[k] for k in keys])
+    grads = torch.autograd.grad((out * weights).sum(), [params[k] for k in keys])
+    for key, grad, ref_grad in zip(keys, grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref_grad, msg=key)
+    with pytest.raises(ValueError, match="img_size=12"):
+        embed_forward(net, torch.randn(2, 3, 16, 16))
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_block_keeps_the_reference_residual_stream(bf16):
+    """The residual adds written over the branch's buffer: same values, and under bf16
+    autocast the stream stays float32 as in the reference (a bf16 branch must not take
+    the sum)."""
+    torch.manual_seed(0)
+    net = VisionTransformer(patch_size=7, **TINY)
+    x = torch.randn(2, 17, TINY["embed_dim"])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        ref = net.blocks[0](x)
+        for core in (explicit_core, handwritten_backward_core, sdpa_core):
+            out = block_forward(net.blocks[0], x, core)
+            assert out.dtype == ref.dtype == torch.float32
+            torch.testing.assert_close(out, ref, atol=2e-2 if bf16 else 1e-5, rtol=1e-4)
 
 
 def test_forced_path_is_not_timed(monkeypatch):

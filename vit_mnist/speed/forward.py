@@ -5,6 +5,9 @@ patch embedding, blocks, norms and head (no copy of any weight) and differs from
 ``VisionTransformer.forward`` in two ways only, neither of which changes the numbers
 beyond float rounding (tests/test_speed.py):
 
+- the patch embedding is a matrix product on the flattened patches (:func:`embed_forward`),
+  the conv's own weight seen as a matrix: on AVX2 CPUs oneDNN's backward of a one-channel
+  convolution took about 5% of a training step at patch 7 (docs/speed.md);
 - the attention core softmax(Q K^T / sqrt(d_k)) V is a function passed in: the textbook
   arithmetic, :func:`torch.nn.functional.scaled_dot_product_attention`, or the same
   arithmetic with a hand-written backward (:class:`ExplicitAttention`);
@@ -65,8 +68,9 @@ class ExplicitAttention(torch.autograd.Function):
         dQ = scale * dS K,   dK = scale * dS^T Q
 
     It saves only Q, K, V and the weights P (in the inputs' dtype, so under bf16 autocast
-    no float32 copy of P is kept), makes Q, K, V contiguous once, and folds the scale into
-    the matrix products' alpha instead of a pass of its own.
+    no float32 copy of P is kept), makes Q, K, V contiguous once, folds the scale into
+    the matrix products' alpha instead of a pass of its own, and runs the float32 softmax
+    and the softmax backward in place, over the scores and over dP.
 
     Shapes: q (B, h, T_q, d), k and v (B, h, T_k, d) -> (B, h, T_q, d), all one dtype.
     """
@@ -87,7 +91,9 @@ class ExplicitAttention(torch.autograd.Function):
             # As the explicit path: the softmax in float32, rounded back for @ V.
             weights = torch.softmax(scores.float(), dim=-1).to(scores.dtype)
         else:
-            weights = torch.softmax(scores, dim=-1)
+            # In place: the scores are not needed again, and one (B*h, T_q, T_k) buffer
+            # fewer to fill was 3% of a training step at patch 4 on AVX2 (docs/speed.md).
+            weights = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
         ctx.save_for_backward(q, k, v, weights)
         ctx.scale = scale
         return torch.bmm(weights, v).view(b, h, t_q, d)
@@ -100,15 +106,29 @@ class ExplicitAttention(torch.autograd.Function):
         t_k = k.shape[1]
         b = grad_out.shape[0]
         grad_out = grad_out.reshape(bh, t_q, d)
-        grad_v = torch.bmm(weights.transpose(1, 2), grad_out)
+        # A single query (the CLS-only last block) makes dV and dK outer products: one
+        # multiply each, where a batched matrix product with an inner size of 1 spent about
+        # 1 µs a matrix in its set-up. Not in bf16, where the product rounds before the scale
+        # is applied and would land a step away from the matrix product's one rounding.
+        outer = t_q == 1 and q.dtype in (torch.float32, torch.float64)
+        if outer:
+            grad_v = weights.transpose(1, 2) * grad_out
+        else:
+            grad_v = torch.bmm(weights.transpose(1, 2), grad_out)
         grad_weights = torch.bmm(grad_out, v.transpose(1, 2))
-        # The softmax's own backward kernel: P * (dP - rowsum(dP * P)) in one pass.
-        grad_scores = torch._softmax_backward_data(grad_weights, weights, -1, weights.dtype)
+        # The softmax's own backward kernel: P * (dP - rowsum(dP * P)) in one pass, written
+        # over dP, which nothing else reads.
+        grad_scores = torch.ops.aten._softmax_backward_data.out(
+            grad_weights, weights, -1, weights.dtype, grad_input=grad_weights
+        )
         scale = ctx.scale
         grad_q = torch.baddbmm(q.new_empty(bh, t_q, d), grad_scores, k, beta=0, alpha=scale)
-        grad_k = torch.baddbmm(
-            q.new_empty(bh, t_k, d), grad_scores.transpose(1, 2), q, beta=0, alpha=scale
-        )
+        if outer:
+            grad_k = torch.mul(grad_scores.transpose(1, 2), q).mul_(scale)
+        else:
+            grad_k = torch.baddbmm(
+                q.new_empty(bh, t_k, d), grad_scores.transpose(1, 2), q, beta=0, alpha=scale
+            )
         shape = (b, -1)
         return (
             grad_q.view(*shape, t_q, d),
@@ -169,8 +189,36 @@ def block_forward(
 ) -> torch.Tensor:
     """``block(x)`` (ViT eq. 2-3) with ``core``; with ``cls_only`` the CLS row alone."""
     attn_out = attention_forward(block.attn, block.norm1(x), core, cls_only)
-    x = (x[:, :1] if cls_only else x) + block.drop_path(attn_out)
-    return x + block.drop_path(block.mlp(block.norm2(x)))
+    x = _residual(x[:, :1] if cls_only else x, block.drop_path(attn_out))
+    return _residual(x, block.drop_path(block.mlp(block.norm2(x))))
+
+
+def _residual(x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    """``x + branch``, written over ``branch`` where their dtypes agree: a branch's output is
+    a fresh tensor that autograd does not save (it would refuse the in-place add if it
+    did), and one activation-sized buffer fewer per add was about 2% of a training step
+    (docs/speed.md). Under bf16 autocast a bf16 branch meets a float32 residual stream and
+    the sum is a new float32 tensor, as in the reference."""
+    return branch.add_(x) if branch.dtype == x.dtype else x + branch
+
+
+def embed_forward(net: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
+    """``net._embed(x)``, ViT eq. 1 as written: each patch flattened, times E, where E is
+    the patch embedding's conv weight (D, C, p, p) seen as a (D, C*p*p) matrix.
+
+    Shapes: images (B, C, img_size, img_size) -> tokens (B, 1 + num_patches, D), CLS first.
+
+    Raises:
+        ValueError: images of another size than the model's ``img_size``.
+    """
+    embed = net.patch_embed
+    if x.shape[-2:] != (embed.img_size, embed.img_size):
+        return net._embed(x)  # raises, naming both sizes
+    p = embed.patch_size
+    patches = rearrange(x, "b c (gh p1) (gw p2) -> b (gh gw) (c p1 p2)", p1=p, p2=p)
+    tokens = F.linear(patches, embed.proj.weight.flatten(1), embed.proj.bias)  # (B, N, D)
+    cls = net.cls_token.expand(tokens.shape[0], -1, -1)
+    return net.pos_drop(torch.cat([cls, tokens], dim=1) + net.pos_embed)
 
 
 def vit_forward(
@@ -178,7 +226,7 @@ def vit_forward(
 ) -> torch.Tensor:
     """``net(x)``: images (B, C, H, W) -> logits (B, num_classes), with ``core`` in every
     block and the last block for the CLS token only."""
-    x = net._embed(x)
+    x = embed_forward(net, x)
     for block in net.blocks[:-1]:
         x = block_forward(block, x, core)
     x = block_forward(net.blocks[-1], x, core, cls_only=True)

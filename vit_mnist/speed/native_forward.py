@@ -8,7 +8,8 @@ tests/test_speed.py), on the model's own modules, rearranged so that both kernel
 - every residual add and the LayerNorm that reads its sum run as one pass each way. For
   that, a block hands its MLP branch to the next block un-added (:func:`_block_deferred`),
   where ``x + branch`` meets ``norm1``; the last one meets the final ``norm``;
-- the last block runs for the CLS token alone (only it reaches the head, ViT eq. 4).
+- the last block runs for the CLS token alone (only it reaches the head, ViT eq. 4);
+- the patch embedding is a matrix product, as in :func:`~vit_mnist.speed.forward.vit_forward`.
 
 Where a kernel cannot take an input (a shape it was not built for, attention dropout in
 training, tracing), that step runs on PyTorch's operations, with the same numbers.
@@ -22,7 +23,12 @@ from torch import nn
 from vit_mnist.models.attention import MultiHeadSelfAttention
 from vit_mnist.models.vit import EncoderBlock, VisionTransformer
 from vit_mnist.speed import native
-from vit_mnist.speed.forward import attention_forward, cls_query_and_keys, explicit_core
+from vit_mnist.speed.forward import (
+    attention_forward,
+    cls_query_and_keys,
+    embed_forward,
+    explicit_core,
+)
 
 
 def _attention(attn: MultiHeadSelfAttention, x: torch.Tensor, cls_only: bool) -> torch.Tensor:
@@ -76,7 +82,7 @@ def _block_cls(block: EncoderBlock, x: torch.Tensor, branch: torch.Tensor | None
 
 def native_vit_forward(net: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
     """``net(x)`` on the C++ kernels: images (B, C, H, W) -> logits (B, num_classes)."""
-    x = net._embed(x)
+    x = embed_forward(net, x)
     branch = None
     for block in net.blocks[:-1]:
         x, branch = _block_deferred(block, x, branch)
