@@ -2,12 +2,12 @@
 
 :func:`vit_forward` walks a :class:`~vit_mnist.models.vit.VisionTransformer`'s own
 patch embedding, blocks, norms and head (no copy of any weight) and differs from
-``VisionTransformer.forward`` in two ways only, neither of which changes the numbers
+``VisionTransformer.forward`` in three ways only, none of which changes the numbers
 beyond float rounding (tests/test_speed.py):
 
 - the patch embedding is a matrix product on the flattened patches (:func:`embed_forward`),
-  the conv's own weight seen as a matrix: on AVX2 CPUs oneDNN's backward of a one-channel
-  convolution took about 5% of a training step at patch 7 (docs/speed.md);
+  the conv's own weight seen as a matrix, because oneDNN's backward of a one-channel
+  convolution is slow on AVX2 CPUs (docs/speed.md);
 - the attention core softmax(Q K^T / sqrt(d_k)) V is a function passed in: the textbook
   arithmetic, :func:`torch.nn.functional.scaled_dot_product_attention`, or the same
   arithmetic with a hand-written backward (:class:`ExplicitAttention`);
@@ -91,8 +91,8 @@ class ExplicitAttention(torch.autograd.Function):
             # As the explicit path: the softmax in float32, rounded back for @ V.
             weights = torch.softmax(scores.float(), dim=-1).to(scores.dtype)
         else:
-            # In place: the scores are not needed again, and one (B*h, T_q, T_k) buffer
-            # fewer to fill was 3% of a training step at patch 4 on AVX2 (docs/speed.md).
+            # In place: the scores are not needed again, and filling a fresh
+            # (B*h, T_q, T_k) buffer costs more than the softmax itself (docs/speed.md).
             weights = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
         ctx.save_for_backward(q, k, v, weights)
         ctx.scale = scale
@@ -107,8 +107,8 @@ class ExplicitAttention(torch.autograd.Function):
         b = grad_out.shape[0]
         grad_out = grad_out.reshape(bh, t_q, d)
         # A single query (the CLS-only last block) makes dV and dK outer products: one
-        # multiply each, where a batched matrix product with an inner size of 1 spent about
-        # 1 µs a matrix in its set-up. Not in bf16, where the product rounds before the scale
+        # multiply each, where a batched matrix product with an inner size of 1 spends its
+        # time setting up each tiny matrix. Not in bf16, where the product rounds before the scale
         # is applied and would land a step away from the matrix product's one rounding.
         outer = t_q == 1 and q.dtype in (torch.float32, torch.float64)
         if outer:
@@ -196,7 +196,7 @@ def block_forward(
 def _residual(x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
     """``x + branch``, written over ``branch`` where their dtypes agree: a branch's output is
     a fresh tensor that autograd does not save (it would refuse the in-place add if it
-    did), and one activation-sized buffer fewer per add was about 2% of a training step
+    did), and a fresh activation-sized buffer costs more to fill than the add
     (docs/speed.md). Under bf16 autocast a bf16 branch meets a float32 residual stream and
     the sum is a new float32 tensor, as in the reference."""
     return branch.add_(x) if branch.dtype == x.dtype else x + branch
