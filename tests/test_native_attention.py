@@ -16,10 +16,16 @@ from vit_mnist.models import MultiHeadSelfAttention
 from vit_mnist.speed import native
 from vit_mnist.speed.forward import attention_forward, handwritten_backward_core
 from vit_mnist.speed.hardware import cpuinfo_flags
-from vit_mnist.speed.native_forward import _attention
+from vit_mnist.speed.native_forward import native_core
 from vit_mnist.speed.paths import PATHS
 
 CPU = torch.device("cpu")
+
+
+def _attention(attn: MultiHeadSelfAttention, x: torch.Tensor, cls: bool) -> torch.Tensor:
+    """The native path's attention: the kernel where it applies."""
+    return attention_forward(attn, x, native_core, cls)
+
 
 # Where the kernel's bf16 products run on vdpbf16ps and oneDNN's do too (no AMX tiles, whose
 # sums may be taken in another order), the kernel has given the PyTorch path's exact bits

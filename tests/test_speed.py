@@ -219,14 +219,22 @@ def test_cls_only_attention_is_the_first_row_of_the_reference(core, causal, qkv_
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("t_q", [1, 7])
 def test_handwritten_backward_passes_gradcheck(t_q, causal):
+    """The written-out backward against finite differences, on the inputs the module
+    passes: the packed projection (B, T, 3*h*d_k), or for a single CLS query the queries
+    (B, 1, h*d_k) and the keys and values (B, T, 2*h*d_k)."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 3, t_q, 4, dtype=torch.float64, generator=g, requires_grad=True)
-    k, v = (torch.randn(2, 3, 7, 4, dtype=torch.float64, generator=g) for _ in range(2))
-    k.requires_grad_(), v.requires_grad_()
-    # Non-contiguous inputs, as the module passes them (views of the qkv projection).
-    q_t, k_t, v_t = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    heads, head_dim, tokens = 3, 4, 7
+
+    def rand(*shape):
+        return torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
+
+    width = heads * head_dim
+    if t_q == tokens:
+        inputs = (rand(2, tokens, 3 * width), None)
+    else:
+        inputs = (rand(2, t_q, width), rand(2, tokens, 2 * width))
     assert torch.autograd.gradcheck(
-        lambda q, k, v: ExplicitAttention.apply(q, k, v, 0.5, causal), (q_t, k_t, v_t)
+        lambda q_src, kv_src: ExplicitAttention.apply(q_src, kv_src, heads, 0.5, causal), inputs
     )
 
 

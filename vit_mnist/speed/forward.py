@@ -29,28 +29,50 @@ from torch.autograd.function import once_differentiable
 from vit_mnist.models.attention import MultiHeadSelfAttention, causal_mask
 from vit_mnist.models.vit import EncoderBlock, VisionTransformer
 
-# (attention module, q, k, v) -> head outputs; q (B, h, T_q, d), k and v (B, h, T_k, d)
-# -> (B, h, T_q, d). Query i is token i (for the causal mask).
+# (attention module, q_src, kv_src) -> Concat(head_1..head_h), (B, T_q, h*d_k), ready for
+# W^O. q_src is the packed projection (B, T, 3*h*d_k), Q, K and V side by side and heads
+# within each (as ``MultiHeadSelfAttention.qkv`` makes it), when kv_src is None; otherwise
+# q_src holds the queries (B, T_q, h*d_k) and kv_src the keys and values (B, T_k, 2*h*d_k).
+# Query i is token i (for the causal mask).
 AttentionCore = Callable[
-    [MultiHeadSelfAttention, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+    [MultiHeadSelfAttention, torch.Tensor, "torch.Tensor | None"], torch.Tensor
 ]
 
 
-def explicit_core(attn: MultiHeadSelfAttention, q, k, v) -> torch.Tensor:
+def split_heads(
+    q_src: torch.Tensor, kv_src: torch.Tensor | None, num_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q (B, h, T_q, d_k), K and V (B, h, T_k, d_k) as views of a core's inputs (see
+    :data:`AttentionCore`)."""
+    if kv_src is None:
+        q, k, v = rearrange(q_src, "b t (three h d) -> three b h t d", three=3, h=num_heads)
+        return q, k, v
+    q = rearrange(q_src, "b t (h d) -> b h t d", h=num_heads)
+    k, v = rearrange(kv_src, "b t (two h d) -> two b h t d", two=2, h=num_heads)
+    return q, k, v
+
+
+def explicit_core(
+    attn: MultiHeadSelfAttention, q_src: torch.Tensor, kv_src: torch.Tensor | None = None
+) -> torch.Tensor:
     """softmax(Q K^T / sqrt(d_k)) V step by step, as :class:`MultiHeadSelfAttention` does."""
+    q, k, v = split_heads(q_src, kv_src, attn.num_heads)
     scores = q @ k.transpose(-2, -1) * attn.scale  # (B, h, T_q, T_k)
     if attn.causal:
         scores = scores.masked_fill(causal_mask(*scores.shape[-2:], q.device), -math.inf)
     if scores.dtype in (torch.bfloat16, torch.float16):
         scores = scores.float()
     weights = attn.softmax(scores)
-    return attn.attn_dropout(weights).to(v.dtype) @ v
+    return rearrange(attn.attn_dropout(weights).to(v.dtype) @ v, "b h t d -> b t (h d)")
 
 
-def sdpa_core(attn: MultiHeadSelfAttention, q, k, v) -> torch.Tensor:
+def sdpa_core(
+    attn: MultiHeadSelfAttention, q_src: torch.Tensor, kv_src: torch.Tensor | None = None
+) -> torch.Tensor:
     """PyTorch's fused kernel. ``is_causal`` aligns the mask top-left, so a single CLS
     query (token 0) sees key 0 only, as in the explicit path."""
-    return F.scaled_dot_product_attention(
+    q, k, v = split_heads(q_src, kv_src, attn.num_heads)
+    out = F.scaled_dot_product_attention(
         q,
         k,
         v,
@@ -58,6 +80,7 @@ def sdpa_core(attn: MultiHeadSelfAttention, q, k, v) -> torch.Tensor:
         is_causal=attn.causal,
         scale=attn.scale,
     )
+    return rearrange(out, "b h t d -> b t (h d)")
 
 
 class ExplicitAttention(torch.autograd.Function):
@@ -67,19 +90,24 @@ class ExplicitAttention(torch.autograd.Function):
         dV = P^T dO,   dP = dO V^T,   dS = P * (dP - rowsum(dP * P)),
         dQ = scale * dS K,   dK = scale * dS^T Q
 
-    It saves only Q, K, V and the weights P (in the inputs' dtype, so under bf16 autocast
-    no float32 copy of P is kept), makes Q, K, V contiguous once, folds the scale into
-    the matrix products' alpha instead of a pass of its own, and runs the float32 softmax
-    and the softmax backward in place, over the scores and over dP.
+    It takes the projections packed and returns their gradients packed, so autograd has
+    no per-head views to undo: dQ, dK and dV are written side by side into one buffer and
+    laid out as the projection's output by one copy, where autograd would stack them and
+    copy again. It saves only Q, K, V and the weights P (in the inputs' dtype, so under
+    bf16 autocast no float32 copy of P is kept), makes Q, K, V contiguous once, folds the
+    scale into the matrix products' alpha instead of a pass of its own, and runs the
+    float32 softmax and the softmax backward in place, over the scores and over dP.
 
-    Shapes: q (B, h, T_q, d), k and v (B, h, T_k, d) -> (B, h, T_q, d), all one dtype.
+    Inputs as an :data:`AttentionCore`'s (one dtype); output (B, T_q, h*d_k), heads
+    concatenated.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, causal: bool):  # noqa: D102
+    def forward(ctx, q_src, kv_src, num_heads: int, scale: float, causal: bool):  # noqa: D102
+        q, k, v = split_heads(q_src, kv_src, num_heads)
         b, h, t_q, d = q.shape
         t_k = k.shape[2]
-        q = q.reshape(b * h, t_q, d)  # one copy each: they are strided views of qkv
+        q = q.reshape(b * h, t_q, d)  # one copy each: they are strided views of the input
         k = k.reshape(b * h, t_k, d)
         v = v.reshape(b * h, t_k, d)
         scores = torch.baddbmm(
@@ -96,7 +124,8 @@ class ExplicitAttention(torch.autograd.Function):
             weights = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
         ctx.save_for_backward(q, k, v, weights)
         ctx.scale = scale
-        return torch.bmm(weights, v).view(b, h, t_q, d)
+        ctx.packed = kv_src is None
+        return rearrange(torch.bmm(weights, v), "(b h) t d -> b t (h d)", b=b)
 
     @staticmethod
     @once_differentiable
@@ -105,16 +134,25 @@ class ExplicitAttention(torch.autograd.Function):
         bh, t_q, d = q.shape
         t_k = k.shape[1]
         b = grad_out.shape[0]
-        grad_out = grad_out.reshape(bh, t_q, d)
+        grad_out = rearrange(grad_out, "b t (h d) -> (b h) t d", b=b, d=d).contiguous()
+        # The gradients of what the input packs, side by side: (dQ, dK, dV), or (dK, dV)
+        # with dQ apart when the queries came on their own.
+        if ctx.packed:
+            grads = q.new_empty(3, bh, t_k, d)
+            grad_q, grad_k, grad_v = grads.unbind(0)
+        else:
+            grads = q.new_empty(2, bh, t_k, d)
+            grad_k, grad_v = grads.unbind(0)
+            grad_q = q.new_empty(bh, t_q, d)
         # A single query (the CLS-only last block) makes dV and dK outer products: one
         # multiply each, where a batched matrix product with an inner size of 1 spends its
         # time setting up each tiny matrix. Not in bf16, where the product rounds before the scale
         # is applied and would land a step away from the matrix product's one rounding.
         outer = t_q == 1 and q.dtype in (torch.float32, torch.float64)
         if outer:
-            grad_v = weights.transpose(1, 2) * grad_out
+            torch.mul(weights.transpose(1, 2), grad_out, out=grad_v)
         else:
-            grad_v = torch.bmm(weights.transpose(1, 2), grad_out)
+            torch.bmm(weights.transpose(1, 2), grad_out, out=grad_v)
         grad_weights = torch.bmm(grad_out, v.transpose(1, 2))
         # The softmax's own backward kernel: P * (dP - rowsum(dP * P)) in one pass, written
         # over dP, which nothing else reads.
@@ -122,34 +160,32 @@ class ExplicitAttention(torch.autograd.Function):
             grad_weights, weights, -1, weights.dtype, grad_input=grad_weights
         )
         scale = ctx.scale
-        grad_q = torch.baddbmm(q.new_empty(bh, t_q, d), grad_scores, k, beta=0, alpha=scale)
+        # beta=0: the uninitialised buffer is not read.
+        torch.baddbmm(grad_q, grad_scores, k, beta=0, alpha=scale, out=grad_q)
         if outer:
-            grad_k = torch.mul(grad_scores.transpose(1, 2), q).mul_(scale)
+            torch.mul(grad_scores.transpose(1, 2), q, out=grad_k).mul_(scale)
         else:
-            grad_k = torch.baddbmm(
-                q.new_empty(bh, t_k, d), grad_scores.transpose(1, 2), q, beta=0, alpha=scale
-            )
-        shape = (b, -1)
-        return (
-            grad_q.view(*shape, t_q, d),
-            grad_k.view(*shape, t_k, d),
-            grad_v.view(*shape, t_k, d),
-            None,
-            None,
-        )
+            torch.baddbmm(grad_k, grad_scores.transpose(1, 2), q, beta=0, alpha=scale, out=grad_k)
+        grad_packed = rearrange(grads, "n (b h) t d -> b t (n h d)", b=b)  # the one copy
+        if ctx.packed:
+            return grad_packed, None, None, None, None
+        grad_q_src = rearrange(grad_q, "(b h) t d -> b t (h d)", b=b)
+        return grad_q_src, grad_packed, None, None, None
 
 
-def handwritten_backward_core(attn: MultiHeadSelfAttention, q, k, v) -> torch.Tensor:
+def handwritten_backward_core(
+    attn: MultiHeadSelfAttention, q_src: torch.Tensor, kv_src: torch.Tensor | None = None
+) -> torch.Tensor:
     """:class:`ExplicitAttention` where a backward follows and no attention dropout is
     drawn; the explicit arithmetic otherwise (inference, dropout, tracing)."""
     if (
         torch.is_grad_enabled()
-        and q.requires_grad
+        and (q_src.requires_grad or (kv_src is not None and kv_src.requires_grad))
         and not torch.jit.is_tracing()
         and not (attn.training and attn.attn_dropout.p > 0)
     ):
-        return ExplicitAttention.apply(q, k, v, attn.scale, attn.causal)
-    return explicit_core(attn, q, k, v)
+        return ExplicitAttention.apply(q_src, kv_src, attn.num_heads, attn.scale, attn.causal)
+    return explicit_core(attn, q_src, kv_src)
 
 
 def cls_query_and_keys(
@@ -174,14 +210,10 @@ def attention_forward(
     Shapes: x (B, T, D) -> (B, T, D), or (B, 1, D) with ``cls_only``.
     """
     if cls_only:
-        q, kv = cls_query_and_keys(attn, x)
-        q = rearrange(q, "b t (h d) -> b h t d", h=attn.num_heads)
-        k, v = rearrange(kv, "b t (two h d) -> two b h t d", two=2, h=attn.num_heads)
+        q_src, kv_src = cls_query_and_keys(attn, x)
     else:
-        qkv = attn.qkv(x)
-        q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, h=attn.num_heads)
-    out = rearrange(core(attn, q, k, v), "b h t d -> b t (h d)")
-    return attn.proj_dropout(attn.proj(out))
+        q_src, kv_src = attn.qkv(x), None
+    return attn.proj_dropout(attn.proj(core(attn, q_src, kv_src)))
 
 
 def block_forward(

@@ -23,23 +23,18 @@ from torch import nn
 from vit_mnist.models.attention import MultiHeadSelfAttention
 from vit_mnist.models.vit import EncoderBlock, VisionTransformer
 from vit_mnist.speed import native
-from vit_mnist.speed.forward import (
-    attention_forward,
-    cls_query_and_keys,
-    embed_forward,
-    explicit_core,
-)
+from vit_mnist.speed.forward import attention_forward, embed_forward, explicit_core
 
 
-def _attention(attn: MultiHeadSelfAttention, x: torch.Tensor, cls_only: bool) -> torch.Tensor:
-    """``attn(x)`` (or its CLS row with ``cls_only``), in the attention kernel where it applies.
+def native_core(
+    attn: MultiHeadSelfAttention, q_src: torch.Tensor, kv_src: torch.Tensor | None = None
+) -> torch.Tensor:
+    """An :data:`~vit_mnist.speed.forward.AttentionCore`: the attention kernel where it
+    applies, the explicit arithmetic otherwise.
 
-    Shapes: x (B, T, D) -> (B, T, D), or (B, 1, D) with ``cls_only``.
+    Shapes: q_src (B, T, 3*D) packed, or (B, T_q, D) with kv_src (B, T_k, 2*D) ->
+    (B, T_q, D), heads concatenated.
     """
-    if cls_only:
-        q_src, kv_src = cls_query_and_keys(attn, x)  # (B, 1, D), (B, T, 2D)
-    else:
-        q_src, kv_src = attn.qkv(x), None  # (B, T, 3D)
     if (
         torch.is_grad_enabled()
         and q_src.requires_grad
@@ -47,9 +42,9 @@ def _attention(attn: MultiHeadSelfAttention, x: torch.Tensor, cls_only: bool) ->
         and not (attn.training and attn.attn_dropout.p > 0)
         and native.usable(q_src, kv_src, attn.num_heads)
     ):
-        out = native.FusedCPUAttention.apply(q_src, kv_src, attn.num_heads, attn.scale, attn.causal)
-        return attn.proj_dropout(attn.proj(out))  # (B, T_q, D): heads already concatenated
-    return attention_forward(attn, x, explicit_core, cls_only)
+        heads = attn.num_heads
+        return native.FusedCPUAttention.apply(q_src, kv_src, heads, attn.scale, attn.causal)
+    return explicit_core(attn, q_src, kv_src)
 
 
 def _add_norm(
@@ -68,7 +63,7 @@ def _block_deferred(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(z, m)`` with ``z + m == block(x + branch)``: the MLP branch ``m`` not yet added."""
     x, h = _add_norm(x, branch, block.norm1, for_linear=True)
-    attn_out = block.drop_path(_attention(block.attn, h, False))
+    attn_out = block.drop_path(attention_forward(block.attn, h, native_core))
     x, h = _add_norm(x, attn_out, block.norm2, for_linear=True)
     return x, block.drop_path(block.mlp(h))
 
@@ -76,7 +71,7 @@ def _block_deferred(
 def _block_cls(block: EncoderBlock, x: torch.Tensor, branch: torch.Tensor | None) -> torch.Tensor:
     """``block(x + branch)[:, :1]``: the CLS token's output alone."""
     x, h = _add_norm(x, branch, block.norm1, for_linear=True)
-    cls = x[:, :1] + block.drop_path(_attention(block.attn, h, True))
+    cls = x[:, :1] + block.drop_path(attention_forward(block.attn, h, native_core, cls_only=True))
     return cls + block.drop_path(block.mlp(block.norm2(cls)))
 
 
