@@ -178,14 +178,23 @@ def handwritten_backward_core(
 ) -> torch.Tensor:
     """:class:`ExplicitAttention` where a backward follows and no attention dropout is
     drawn; the explicit arithmetic otherwise (inference, dropout, tracing)."""
-    if (
+    if written_backward_applies(attn, q_src, kv_src):
+        return ExplicitAttention.apply(q_src, kv_src, attn.num_heads, attn.scale, attn.causal)
+    return explicit_core(attn, q_src, kv_src)
+
+
+def written_backward_applies(
+    attn: MultiHeadSelfAttention, q_src: torch.Tensor, kv_src: torch.Tensor | None
+) -> bool:
+    """Whether a core with its own backward may take these inputs: a backward follows
+    (gradients on, an input that needs one, not tracing) and no attention dropout is drawn
+    (the written-out backward has none)."""
+    return (
         torch.is_grad_enabled()
         and (q_src.requires_grad or (kv_src is not None and kv_src.requires_grad))
         and not torch.jit.is_tracing()
         and not (attn.training and attn.attn_dropout.p > 0)
-    ):
-        return ExplicitAttention.apply(q_src, kv_src, attn.num_heads, attn.scale, attn.causal)
-    return explicit_core(attn, q_src, kv_src)
+    )
 
 
 def cls_query_and_keys(

@@ -23,7 +23,12 @@ from torch import nn
 from vit_mnist.models.attention import MultiHeadSelfAttention
 from vit_mnist.models.vit import EncoderBlock, VisionTransformer
 from vit_mnist.speed import native
-from vit_mnist.speed.forward import attention_forward, embed_forward, explicit_core
+from vit_mnist.speed.forward import (
+    attention_forward,
+    embed_forward,
+    explicit_core,
+    written_backward_applies,
+)
 
 
 def native_core(
@@ -35,14 +40,8 @@ def native_core(
     Shapes: q_src (B, T, 3*D) packed, or (B, T_q, D) with kv_src (B, T_k, 2*D) ->
     (B, T_q, D), heads concatenated.
     """
-    if (
-        torch.is_grad_enabled()
-        and q_src.requires_grad
-        and not torch.jit.is_tracing()
-        and not (attn.training and attn.attn_dropout.p > 0)
-        and native.usable(q_src, kv_src, attn.num_heads)
-    ):
-        heads = attn.num_heads
+    heads = attn.num_heads
+    if written_backward_applies(attn, q_src, kv_src) and native.usable(q_src, kv_src, heads):
         return native.FusedCPUAttention.apply(q_src, kv_src, heads, attn.scale, attn.causal)
     return explicit_core(attn, q_src, kv_src)
 
