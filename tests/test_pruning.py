@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import compose_config
+from tests.helpers import assert_same_values_and_gradients
 from tests.test_attention import textbook_mha
 from vit_mnist.analysis.heads import gradient_head_importance, heads_zeroed
 from vit_mnist.analysis.pruning import prune_heads
@@ -89,8 +90,10 @@ def test_narrow_heads_are_the_textbook_attention(impl):
 def test_speed_paths_run_a_pruned_model_or_say_why_not():
     pruned, _ = prune_heads(_model(), ARGS, [(0, 1), (1, 0), (1, 2)])
     x = torch.randn(3, 1, 28, 28)
-    for name in ("fused", "handwritten"):
-        torch.testing.assert_close(PATHS[name].build(pruned)(x), pruned(x), atol=1e-5, rtol=1e-4)
+    params = list(pruned.parameters())
+    for name in ("fused", "handwritten"):  # values and every parameter's gradient
+        fast = PATHS[name].build(pruned)(x)
+        assert_same_values_and_gradients(fast, pruned(x), params, atol=1e-5, rtol=1e-4)
     for name in ("native", "compile_native"):
         assert "pruned heads" in PATHS[name].unsupported(pruned)
         assert PATHS[name].unsupported(_model()) is None
