@@ -34,9 +34,7 @@ from vit_mnist.models.vit import EncoderBlock, VisionTransformer
 # within each (as ``MultiHeadSelfAttention.qkv`` makes it), when kv_src is None; otherwise
 # q_src holds the queries (B, T_q, h*d_k) and kv_src the keys and values (B, T_k, 2*h*d_k).
 # Query i is token i (for the causal mask).
-AttentionCore = Callable[
-    [MultiHeadSelfAttention, torch.Tensor, "torch.Tensor | None"], torch.Tensor
-]
+AttentionCore = Callable[[MultiHeadSelfAttention, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def split_heads(
