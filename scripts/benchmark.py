@@ -53,7 +53,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vit_mnist.models import VisionTransformer
-from vit_mnist.speed.choose import CompileRecord, choose
+from vit_mnist.speed.allocator import MODES, current_mode
+from vit_mnist.speed.choose import CompileRecord, choose, choose_allocator
 from vit_mnist.speed.hardware import cpu_class, cpu_name, has_native_bf16, isa_class
 from vit_mnist.speed.paths import PATHS, compile_settings
 
@@ -247,6 +248,22 @@ TRAIN_IMAGES = 55_000  # MNIST's training split; --run-epochs of it make the run
 RUN_EPOCHS = 20  # --run-epochs sets it; python train.py's default
 
 
+def set_allocator(mode: str, device: torch.device, batch: int) -> tuple[str, dict, str]:
+    """Set the ``malloc`` mode every row runs under (``speed.allocator``; the peers' rows
+    too, as it is the process's), choosing it as ``auto`` does for the default
+    architecture in fp32 (timed now, the cache unused); returns what choose_allocator does."""
+    arch = ARCHS["default"]
+    return choose_allocator(
+        reference_vit(**arch),
+        ("handwritten", "32-true"),
+        mode,
+        device=device,
+        model_args={**arch, "patch_size": PATCH},
+        batch_size=batch,
+        use_cache=False,
+    )
+
+
 def auto_choice(arch: dict, device: torch.device, bf16: bool, batch: int, compiled_before: bool):
     """What ``speed.path=auto`` picks here at this precision for the default run's length
     (timed now, the choice cache unused): on a first run on this machine (nothing compiled
@@ -265,6 +282,7 @@ def auto_choice(arch: dict, device: torch.device, bf16: bool, batch: int, compil
         planned_steps=steps,
         use_cache=False,
         record=CompileRecord({}, {}, 0.0),
+        allocator=current_mode(),  # set_allocator's, for every row alike
     )
 
 
@@ -339,7 +357,16 @@ def versions_line() -> str:
     return "; ".join(parts)
 
 
-def markdown_section(results, choices, args, cuda: bool, warmups: dict) -> str:
+def allocator_line(allocator: tuple[str, dict, str]) -> str:
+    mode, figures, how = allocator
+    timed = ", ".join(f"{k} {v:,.0f}" for k, v in figures.items())
+    return (
+        f"malloc: {mode} ({how}{'; handwritten, fp32, images/s: ' + timed if timed else ''}), "
+        "for every row (vit_mnist/speed/allocator.py; the peers' rows run under it too)"
+    )
+
+
+def markdown_section(results, choices, args, cuda: bool, warmups: dict, allocator) -> str:
     command = (
         " ".join(["python scripts/benchmark.py", *sys.argv[1:]])
         if args.argv is None
@@ -349,6 +376,8 @@ def markdown_section(results, choices, args, cuda: bool, warmups: dict) -> str:
         f"## {hardware_title(cuda)}; patch {PATCH}",
         "",
         f"`{command}`; {versions_line()}.",
+        "",
+        f"{allocator_line(allocator)[0].upper()}{allocator_line(allocator)[1:]}.",
         "",
         f"Batch {args.batch}, fused AdamW, median of {args.reps} repetitions of {args.steps} "
         "training steps after warm-up, implementations interleaved in one process. "
@@ -461,6 +490,12 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="bf16 autocast rows: auto = where the hardware computes bf16",
     )
+    parser.add_argument(
+        "--allocator",
+        choices=["auto", *MODES],
+        default="auto",
+        help="malloc mode for every row (speed.allocator): auto = as train.py chooses it",
+    )
     args = parser.parse_args(argv)
     args.argv = argv
     PATCH, RUN_EPOCHS = args.patch, args.run_epochs
@@ -474,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     bf16 = args.bf16 == "yes" or (args.bf16 == "auto" and has_native_bf16(cuda))
     rows = [("fp32", False)] + ([("bf16 autocast", True)] if bf16 else [])
+    allocator = set_allocator(args.allocator, device, args.batch)
+    print(allocator_line(allocator), flush=True)
     results, choices, warmups = {}, {}, {}
     for row, use_bf16 in rows:
         for arch_name in args.archs:
@@ -496,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{n} {s:,.0f} ({s / best_peer:.2f}x)" for n, (s, _) in per_impl.items()
             )
             print(f"{row} | {label}: {summary}", flush=True)
-    section = markdown_section(results, choices, args, cuda, warmups)
+    section = markdown_section(results, choices, args, cuda, warmups, allocator)
     if args.out == "-":
         print(section)
         return 0

@@ -41,6 +41,8 @@ def test_benchmark_writes_one_section_per_hardware_class(benchmark, tmp_path, mo
     # Compiling takes minutes: the compiled rows are left out here, and auto plans for a
     # run too short to time a first compile.
     args += ["--run-epochs", "1"]
+    # malloc's mode is the whole process's: the test process keeps glibc as it is.
+    args += ["--allocator", "system"]
     argv = [*args, "--archs", "default", "--compile-archs", "--out", str(out)]
     out.write_text(benchmark.HEADER + "\n## CPU: Other, class AVX2; patch 4\n\n| old table |\n")
     assert benchmark.main(argv) == 0
@@ -57,6 +59,7 @@ def test_benchmark_writes_one_section_per_hardware_class(benchmark, tmp_path, mo
     from vit_mnist.speed.hardware import isa_class
 
     assert f"class {isa_class()}" in text and "torch " in text
+    assert "Malloc: system (forced), for every row" in text
     # The other class's section is kept; a second run replaces this class's, not adds one.
     assert "## CPU: Other, class AVX2; patch 4" in text
     assert benchmark.main(argv) == 0

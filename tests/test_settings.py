@@ -95,6 +95,7 @@ BAD = [
     ("train", ["speed.cache=sometimes"], ["speed.cache=sometimes", "true or false"]),
     ("train", ["speed.auto_compile=maybe"], ["speed.auto_compile=maybe", "auto, true or false"]),
     ("train", ["speed.compile_budget=2"], ["speed.compile_budget=2", "in [0, 1]"]),
+    ("train", ["speed.allocator=lots"], ["speed.allocator=lots", "retain"]),
     ("evaluate", ["ckpt_path=x", "precision=fp8"], ["precision=fp8", "32-true"]),
     ("evaluate", ["ckpt_path=x", "analysis=everything"], ["analysis=everything", "heads"]),
     ("evaluate", ["ckpt_path=x", "prune.max_fraction=1"], ["prune.max_fraction=1", "(0, 1)"]),

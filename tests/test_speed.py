@@ -15,6 +15,7 @@ from tests.helpers import assert_same_values_and_gradients, count_applies
 from vit_mnist.errors import ConfigError
 from vit_mnist.models.attention import MultiHeadSelfAttention
 from vit_mnist.models.vit import VisionTransformer
+from vit_mnist.speed import allocator as malloc
 from vit_mnist.speed import choose as choose_mod
 from vit_mnist.speed.choose import candidates, choose
 from vit_mnist.speed.forward import (
@@ -32,6 +33,16 @@ CPU = torch.device("cpu")
 TINY = dict(embed_dim=32, depth=2, num_heads=4, mlp_ratio=2.0)
 EAGER = [n for n, p in PATHS.items() if not p.compiles]
 COMPILED = [n for n, p in PATHS.items() if p.compiles]
+
+
+@pytest.fixture(autouse=True)
+def mallopt_calls(monkeypatch) -> list[dict[int, int]]:
+    """The malloc mode is the whole process's, and glibc cannot go back once it is set:
+    here mallopt is recorded, not called, so the test process keeps glibc as it is."""
+    calls: list[dict[int, int]] = []
+    monkeypatch.setattr(malloc, "_mallopt", lambda settings: calls.append(dict(settings)))
+    monkeypatch.setattr(malloc, "_state", {"mode": "system", "set": False})
+    return calls
 
 
 def _skip_unavailable(name: str) -> None:
@@ -137,7 +148,13 @@ def test_forced_path_is_not_timed(monkeypatch):
     monkeypatch.setattr(choose_mod, "time_candidates", lambda *a, **k: pytest.fail("timed"))
     net = VisionTransformer(patch_size=7, **TINY)
     choice = choose(
-        net, model_args=TINY, device=CPU, batch_size=8, path="fused", precision="32-true"
+        net,
+        model_args=TINY,
+        device=CPU,
+        batch_size=8,
+        path="fused",
+        precision="32-true",
+        allocator="system",
     )
     assert (choice.path, choice.precision, choice.how) == ("fused", "32-true", "forced")
 
@@ -325,7 +342,7 @@ def test_auto_times_a_first_compile_only_when_the_training_time_pays_for_it(tmp_
     calls: list = []
     monkeypatch.setattr(choose_mod, "time_candidates", _fake_timing(speeds, calls))
     net = VisionTransformer(patch_size=7, **TINY)
-    args = dict(model_args=TINY, device=CPU, batch_size=100)
+    args = dict(model_args=TINY, device=CPU, batch_size=100, allocator="system")
     # 110 steps of 100 images at 1 100 images/s: 10 s of training, 5% of it is 0.5 s,
     # far from a first compile (60 s): the eager paths only, and the reason logged.
     short = choose(net, **args, planned_steps=110)
@@ -417,3 +434,97 @@ def test_timing_drops_a_clearly_slower_candidate_after_one_round(monkeypatch):
     # reference alone is left: nothing more to compare.
     assert steps == {"reference": 3, "slow": 3}
     assert set(timing.first_step_s) == {"reference 32-true", "slow 32-true"}
+
+
+def _timing_by_malloc_mode(speeds: dict[str, float], timed: list):
+    """A stand-in for time_candidates whose images/s depend on the malloc mode set."""
+
+    def time_candidates(net, pairs, **kwargs):
+        timed.append((malloc.current_mode(), list(pairs)))
+        return choose_mod.Timing({f"{p} {q}": speeds[malloc.current_mode()] for p, q in pairs}, {})
+
+    return time_candidates
+
+
+def test_auto_keeps_freed_memory_only_where_it_measures_faster(
+    tmp_path, monkeypatch, mallopt_calls
+):
+    monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
+    monkeypatch.setattr(malloc, "unavailable", lambda: None)
+    timed: list = []
+    fake = _timing_by_malloc_mode({"system": 1000.0, "retain": 1200.0}, timed)
+    monkeypatch.setattr(choose_mod, "time_candidates", fake)
+    net = VisionTransformer(patch_size=7, **TINY)
+    args = dict(model_args=TINY, device=CPU, path="fused", precision="32-true")
+    first = choose(net, **args, batch_size=8)
+    # glibc as it is first (there is no way back to it), then retain, on the forced path.
+    assert timed == [("system", [("fused", "32-true")]), ("retain", [("fused", "32-true")])]
+    assert (first.allocator, first.allocator_how) == ("retain", "measured")
+    assert first.allocator_images_per_s == {"system": 1000.0, "retain": 1200.0}
+    assert mallopt_calls == [malloc.RETAIN, malloc.RETAIN] and malloc.current_mode() == "retain"
+    assert "malloc: retain (measured; images/s: system 1,000, retain 1,200); chosen in" in (
+        first.describe(CPU)
+    )
+    # The next run with the same settings reads it, timing nothing.
+    again = choose(net, **args, batch_size=8)
+    assert (again.allocator, again.allocator_how, len(timed)) == ("retain", "cached", 2)
+    # Where retain is slower it is not kept: glibc's thresholds go back to their ceiling.
+    monkeypatch.setattr(
+        choose_mod,
+        "time_candidates",
+        _timing_by_malloc_mode({"system": 1000.0, "retain": 990.0}, []),
+    )
+    slower = choose(net, **args, batch_size=16)
+    assert (slower.allocator, malloc.current_mode()) == ("system", "system")
+    assert mallopt_calls[-1] == malloc.CEILING
+    # auto on the GPU, or without glibc, sets nothing and says why.
+    monkeypatch.setattr(malloc, "unavailable", lambda: "needs Linux with glibc; this is Darwin ")
+    mallopt_calls.clear()
+    other = choose(net, **args, batch_size=32)
+    assert other.allocator_how == "not timed: needs Linux with glibc; this is Darwin "
+    assert mallopt_calls == []
+
+
+def test_forced_and_unknown_allocator_modes(monkeypatch, mallopt_calls):
+    monkeypatch.setattr(choose_mod, "time_candidates", lambda *a, **k: pytest.fail("timed"))
+    net = VisionTransformer(patch_size=7, **TINY)
+    args = dict(model_args=TINY, device=CPU, batch_size=8, path="fused", precision="32-true")
+    assert choose(net, **args, allocator="retain").allocator_how == "forced"
+    assert mallopt_calls == [malloc.RETAIN]
+    with pytest.raises(ConfigError, match=r"speed.allocator='lots' is unknown; use auto or one"):
+        choose(net, **args, allocator="lots")
+    monkeypatch.setattr(malloc, "unavailable", lambda: "needs Linux with glibc; this is Darwin ")
+    with pytest.raises(ConfigError, match="speed.allocator=retain cannot be set here: needs Linux"):
+        choose(net, **args, allocator="retain")
+
+
+def test_a_single_candidate_is_timed_over_every_round(monkeypatch):
+    import dataclasses
+
+    steps = []
+
+    def build(net):
+        def forward(x):
+            steps.append(1)
+            return net(x)
+
+        return forward
+
+    paths = {"reference": dataclasses.replace(PATHS["reference"], build=build)}
+    monkeypatch.setattr(choose_mod, "PATHS", paths)
+    net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
+    choose_mod.time_candidates(
+        net, [("reference", "32-true")], device=CPU, batch_size=4, rounds=3, steps=2
+    )
+    assert len(steps) == 1 + 3 * 2  # the first step, then three rounds of two
+
+
+@pytest.mark.skipif(malloc.unavailable() is not None, reason="needs Linux with glibc")
+def test_mallopt_takes_the_retain_and_ceiling_settings():
+    # In a process of its own: the setting is the whole process's and cannot be undone.
+    code = (
+        "from vit_mnist.speed import allocator as a; a.set_mode('retain'); "
+        "a.set_mode('system'); a.set_mode('retain'); print(a.current_mode())"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert (done.returncode, done.stdout.strip()) == (0, "retain"), done.stderr

@@ -102,6 +102,7 @@ class SpeedSettings:
     path: str = _setting(example="speed.path=auto")
     auto_compile: Any = _setting(check=_auto_or_bool, example="speed.auto_compile=auto")
     compile_budget: float = _setting(ge=0, le=1, example="speed.compile_budget=0.05")
+    allocator: str = _setting(choices=("auto", "retain", "system"), example="speed.allocator=auto")
     cache: bool = _setting()
 
 

@@ -35,7 +35,7 @@ from vit_mnist.io import write_metrics
 from vit_mnist.models.vit import check_vit_args
 from vit_mnist.module import ViTClassifier, check_module_args
 from vit_mnist.settings import TrainSettings, check_settings, import_target
-from vit_mnist.speed.choose import check_speed_path, choose
+from vit_mnist.speed.choose import check_allocator, check_speed_path, choose
 from vit_mnist.speed.hardware import describe_device, resolve_precision, uses_cuda
 
 log = logging.getLogger(__name__)
@@ -183,6 +183,7 @@ def check_config(cfg: DictConfig) -> None:
     model = _resolved(cfg.model)
     check_vit_args(**model)
     check_speed_path((cfg.get("speed") or {}).get("path", "auto"))
+    check_allocator((cfg.get("speed") or {}).get("allocator", "auto"))
     data = cfg.data
     if data.get("augment"):
         BatchAugment(**_resolved(data.augment))  # raises ConfigError on bad ranges
@@ -298,6 +299,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         use_cache=bool(speed.get("cache", True)),
         # DDP's processes train side by side: the run's seconds count once.
         count_training=rank_zero_only.rank == 0,
+        allocator=speed.get("allocator", "auto"),
     )
     module.use_speed_path(choice.path)
     module.record_compiles = bool(speed.get("cache", True))
@@ -369,6 +371,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "speed_path": choice.path,
         "speed_choice": choice.how,
         "speed_choice_s": round(choice.seconds, 3),
+        "speed_allocator": choice.allocator,
+        "speed_allocator_images_per_s": {
+            k: round(v, 1) for k, v in choice.allocator_images_per_s.items()
+        },
         "speed_images_per_s": {k: round(v, 1) for k, v in choice.images_per_s.items()},
         # First training step to the end of the last (validations included; process
         # start, data preparation, sanity check and test left out): the speedrun's clock.

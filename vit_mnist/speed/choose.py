@@ -16,6 +16,11 @@ starts at once on the fastest eager path; a long run, or a run after enough shor
 pays the first compile once, and from then on every run compares the compiled paths too,
 for seconds. What was compiled here, how long it took and how long each model trained is
 kept in ``$VIT_MNIST_CACHE/compile_times.json``.
+
+On a CPU with glibc, ``speed.allocator=auto`` then times whether ``malloc`` keeping the
+memory a step frees (:mod:`vit_mnist.speed.allocator`) makes the fastest eager path's
+steps faster, and sets it for the run where it does (the compiled paths are timed under
+it).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +40,7 @@ import torch.nn.functional as F
 
 from vit_mnist.errors import ConfigError
 from vit_mnist.models.vit import VisionTransformer
+from vit_mnist.speed import allocator as malloc
 from vit_mnist.speed import cache_root
 from vit_mnist.speed.hardware import describe_hardware, hardware_key, has_native_bf16
 from vit_mnist.speed.paths import PATHS
@@ -70,6 +77,10 @@ class Choice:
         skipped: ``path -> why`` for paths not timed.
         compile_s: ``"path precision" -> seconds`` of the first training step of each
             compiled candidate timed in this call (mostly compiling), part of ``seconds``.
+        allocator: the ``malloc`` mode set for the run, ``retain`` or ``system``
+            (:mod:`vit_mnist.speed.allocator`).
+        allocator_images_per_s: ``mode -> images/s`` where it was timed (or cached).
+        allocator_how: ``measured``, ``cached``, ``forced``, or why it was not timed.
     """
 
     path: str
@@ -79,6 +90,9 @@ class Choice:
     how: str = "forced"
     skipped: dict[str, str] = field(default_factory=dict)
     compile_s: dict[str, float] = field(default_factory=dict)
+    allocator: str = "system"
+    allocator_images_per_s: dict[str, float] = field(default_factory=dict)
+    allocator_how: str = "forced"
 
     def describe(self, device: torch.device) -> str:
         """One log line: the choice, how long it took, every figure, what was left out."""
@@ -91,6 +105,13 @@ class Choice:
         line += f"; {describe_hardware(device)})"
         if figures:
             line += f"; images/s: {figures}"
+        line += f"; malloc: {self.allocator} ({self.allocator_how}"
+        if self.allocator_images_per_s:
+            timed = ", ".join(f"{k} {v:,.0f}" for k, v in self.allocator_images_per_s.items())
+            line += f"; images/s: {timed}"
+        line += ")"
+        if self.how == "forced" and self.allocator_how == "measured":
+            line += f"; chosen in {self.seconds:.2f} s"
         if self.how != "forced" and self.skipped:
             line += "; not timed: " + "; ".join(f"{p} ({why})" for p, why in self.skipped.items())
         return line
@@ -100,6 +121,14 @@ def check_speed_path(path: Any) -> None:
     """Raise ConfigError naming ``speed.path`` unless it is ``auto`` or a path's name."""
     if path != "auto" and path not in PATHS:
         raise ConfigError(f"speed.path={path!r} is unknown; use auto or one of {list(PATHS)}")
+
+
+def check_allocator(mode: Any) -> None:
+    """Raise ConfigError naming ``speed.allocator`` unless it is ``auto`` or a mode."""
+    if mode != "auto" and mode not in malloc.MODES:
+        raise ConfigError(
+            f"speed.allocator={mode!r} is unknown; use auto or one of {list(malloc.MODES)}"
+        )
 
 
 def candidates(
@@ -318,7 +347,8 @@ def time_candidates(
     the rounds that follow go to the candidates close enough for the choice to matter; the
     timing ends when one is left, after ``rounds`` rounds, or after the round in which
     ``budget_s`` seconds (after the first steps) have passed, so a model whose steps take
-    seconds is timed over one round.
+    seconds is timed over one round. A single candidate is timed over ``rounds`` rounds
+    (within ``budget_s``).
 
     Runs on a copy of ``net`` with a random batch of ``batch_size`` images, and restores
     the random-number state, so the run that follows is the same as without it.
@@ -366,7 +396,8 @@ def time_candidates(
                 speeds[pair].append(steps * batch_size / (time.perf_counter() - t0))
             leader = max(max(speeds[p]) for p in live)
             live = [p for p in live if max(speeds[p]) >= keep * leader]
-            if len(live) == 1 or time.perf_counter() - start > budget_s:
+            alone = len(live) == 1 and len(pairs) > 1
+            if alone or time.perf_counter() - start > budget_s:
                 break
     finally:
         torch.set_rng_state(rng)
@@ -430,8 +461,10 @@ def choose(
     use_cache: bool = True,
     record: CompileRecord | None = None,
     count_training: bool = True,
+    allocator: str = "auto",
 ) -> Choice:
-    """The path and precision to train ``net`` with on ``device``.
+    """The path and precision to train ``net`` with on ``device``, and the ``malloc`` mode
+    (set here, for the whole process) that the run trains under.
 
     Args:
         net: the model (not modified: the timing runs on a copy).
@@ -456,14 +489,134 @@ def choose(
         count_training: add this run's planned seconds to the model's training time here;
             False in every process of a multi-process run but one, which trains the same
             seconds alongside it.
+        allocator: ``auto`` (``retain`` where it measures faster, on a CPU with glibc) or a
+            mode of :mod:`vit_mnist.speed.allocator` (forced). Timed on the fastest eager
+            candidate (the forced path; ``handwritten`` for a compiled one) once the eager
+            paths are timed; the compiled paths are timed under it.
 
     Raises:
-        ConfigError: an unknown path, or a forced one that cannot run here.
+        ConfigError: an unknown path or allocator mode, or a forced one that cannot run here.
     """
     start = time.perf_counter()
     pairs, skipped = candidates(device, path, precision, include_compiled, net)
+    check_allocator(allocator)
+    settled: list[tuple[str, dict[str, float], str]] = []
+
+    def settle(probe: Pair) -> None:
+        settled.append(
+            choose_allocator(
+                net,
+                probe,
+                allocator,
+                device=device,
+                model_args=model_args,
+                batch_size=batch_size,
+                use_cache=use_cache,
+            )
+        )
+
+    choice = _choose_path(
+        net,
+        pairs,
+        skipped,
+        settle,
+        model_args=model_args,
+        device=device,
+        batch_size=batch_size,
+        include_compiled=include_compiled,
+        compile_budget=compile_budget,
+        planned_steps=planned_steps,
+        use_cache=use_cache,
+        record=record,
+        count_training=count_training,
+    )
+    choice.allocator, choice.allocator_images_per_s, choice.allocator_how = settled[0]
+    if choice.how != "forced" or choice.allocator_how in ("measured", "cached"):
+        choice.seconds = time.perf_counter() - start  # else nothing was timed or read
+    return choice
+
+
+def choose_allocator(
+    net: VisionTransformer,
+    probe: Pair,
+    mode: str,
+    *,
+    device: torch.device,
+    model_args: dict[str, Any],
+    batch_size: int,
+    use_cache: bool,
+) -> tuple[str, dict[str, float], str]:
+    """Set the ``malloc`` mode for the run; returns it, ``mode -> images/s`` where timed
+    (or cached), and how it was chosen: ``measured``, ``cached``, ``forced`` or why not.
+
+    ``auto`` times ``probe``'s training steps with ``malloc`` as it is (``system``), then
+    with ``retain``, one after the other: glibc has no way back to its own thresholds once
+    one is set, so the two cannot take turns. ``retain`` is kept only where it is faster.
+
+    Raises:
+        ConfigError: ``retain`` forced where it cannot be set.
+    """
+    if mode != "auto":
+        why = malloc.unavailable()
+        if mode == "retain" and why:
+            raise ConfigError(
+                f"speed.allocator=retain cannot be set here: {why}; use speed.allocator=auto"
+            )
+        malloc.set_mode(mode)
+        return mode, {}, "forced"
+    if device.type != "cpu":
+        why = "the GPU's memory comes from PyTorch's caching allocator"
+        return malloc.current_mode(), {}, f"not timed: {why}"
+    why = malloc.unavailable()
+    if why:
+        return malloc.current_mode(), {}, f"not timed: {why}"
+    key = _digest(["allocator", hardware_key(device), model_args, batch_size, list(probe)])
+    entry = _read_json(_choices_file()).get(key) if use_cache else None
+    if isinstance(entry, dict) and entry.get("allocator") in malloc.MODES:
+        malloc.set_mode(entry["allocator"])
+        figures = entry.get("images_per_s")
+        return entry["allocator"], figures if isinstance(figures, dict) else {}, "cached"
+    figures = {}
+    for candidate in malloc.MODES[::-1]:  # system first: glibc's own thresholds
+        malloc.set_mode(candidate)
+        timing = time_candidates(net, [probe], device=device, batch_size=batch_size, budget_s=3.0)
+        figures[candidate] = timing.images_per_s[_name(probe)]
+    best = "retain" if figures["retain"] > figures["system"] else "system"
+    malloc.set_mode(best)
+    if use_cache:
+        entries = _read_json(_choices_file())
+        entries[key] = {
+            "allocator": best,
+            "images_per_s": figures,
+            "hardware": hardware_key(device),
+        }
+        _write_json(_choices_file(), entries)
+    return best, figures, "measured"
+
+
+def _choose_path(
+    net: VisionTransformer,
+    pairs: list[Pair],
+    skipped: dict[str, str],
+    settle: Callable[[Pair], None],
+    *,
+    model_args: dict[str, Any],
+    device: torch.device,
+    batch_size: int,
+    include_compiled: bool | str,
+    compile_budget: float,
+    planned_steps: int | None,
+    use_cache: bool,
+    record: CompileRecord | None,
+    count_training: bool,
+) -> Choice:
+    """:func:`choose`'s path and precision among ``pairs`` (its other arguments are
+    :func:`choose`'s). ``settle(pair)`` chooses the malloc mode on the eager pair the run
+    is likely to train with, once it is known and before a compiled path is timed."""
     if len(pairs) == 1:
-        return Choice(*pairs[0], skipped=skipped)
+        pair = pairs[0]
+        settle(("handwritten", pair[1]) if PATHS[pair[0]].compiles else pair)
+        return Choice(*pair, skipped=skipped)
     if all(PATHS[p].compiles for p, _ in pairs):
         # A forced compiled path with precision auto: timing it means compiling it once per
         # precision, so the precision is chosen on the handwritten eager path instead.
@@ -471,19 +624,14 @@ def choose(
             net, [("handwritten", q) for _, q in pairs], device, model_args, batch_size, use_cache
         )
         best = max(speeds.figures, key=speeds.figures.get)
-        return Choice(
-            pairs[0][0],
-            best.split(" ")[1],
-            speeds.figures,
-            time.perf_counter() - start,
-            speeds.how,
-            skipped,
-        )
+        settle(("handwritten", best.split(" ")[1]))
+        return Choice(pairs[0][0], best.split(" ")[1], speeds.figures, 0.0, speeds.how, skipped)
     eager = [p for p in pairs if not PATHS[p[0]].compiles]
     compiled = [p for p in pairs if PATHS[p[0]].compiles]
     first = _timed_or_cached(net, eager, device, model_args, batch_size, use_cache)
     figures, how, compile_s = dict(first.figures), first.how, {}
     best_eager = max(eager, key=lambda p: figures[_name(p)])
+    settle(best_eager)
     to_time: list[Pair] = []
     if compiled:
         record = compile_record(device, model_args) if record is None else record
@@ -514,14 +662,7 @@ def choose(
     else:
         final = {_name(p): figures[_name(p)] for p in eager}
     best = max(final, key=final.get)
-    return Choice(
-        *best.split(" "),
-        figures,
-        time.perf_counter() - start,
-        how,
-        skipped,
-        compile_s,
-    )
+    return Choice(*best.split(" "), figures, 0.0, how, skipped, compile_s)
 
 
 @dataclass
