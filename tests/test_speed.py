@@ -478,10 +478,10 @@ def test_auto_keeps_freed_memory_only_where_it_measures_faster(
     assert (slower.allocator, malloc.current_mode()) == ("system", "system")
     assert mallopt_calls[-1] == malloc.CEILING
     # auto on the GPU, or without glibc, sets nothing and says why.
-    monkeypatch.setattr(malloc, "unavailable", lambda: "needs Linux with glibc; this is Darwin ")
+    monkeypatch.setattr(malloc, "unavailable", lambda: "needs Linux with glibc; this is Darwin")
     mallopt_calls.clear()
     other = choose(net, **args, batch_size=32)
-    assert other.allocator_how == "not timed: needs Linux with glibc; this is Darwin "
+    assert other.allocator_how == "not timed: needs Linux with glibc; this is Darwin"
     assert mallopt_calls == []
 
 
@@ -493,7 +493,7 @@ def test_forced_and_unknown_allocator_modes(monkeypatch, mallopt_calls):
     assert mallopt_calls == [malloc.RETAIN]
     with pytest.raises(ConfigError, match=r"speed.allocator='lots' is unknown; use auto or one"):
         choose(net, **args, allocator="lots")
-    monkeypatch.setattr(malloc, "unavailable", lambda: "needs Linux with glibc; this is Darwin ")
+    monkeypatch.setattr(malloc, "unavailable", lambda: "needs Linux with glibc; this is Darwin")
     with pytest.raises(ConfigError, match="speed.allocator=retain cannot be set here: needs Linux"):
         choose(net, **args, allocator="retain")
 

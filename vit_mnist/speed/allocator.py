@@ -50,7 +50,8 @@ def _libc() -> ctypes.CDLL | None:
 def unavailable() -> str | None:
     """Why ``retain`` cannot be set here (not Linux with glibc), or None where it can."""
     if _libc() is None:
-        return f"needs Linux with glibc; this is {platform.system()} {platform.libc_ver()[0]}"
+        this = " ".join(filter(None, (platform.system(), platform.libc_ver()[0])))
+        return f"needs Linux with glibc; this is {this or 'another system'}"
     return None
 
 
