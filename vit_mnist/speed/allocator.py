@@ -7,7 +7,7 @@ its heap back to the kernel once more than ``M_TRIM_THRESHOLD`` is free there (b
 thresholds grow with the largest block freed, up to 32 MiB and 64 MiB). So every step
 asks the kernel for the same memory again, and the kernel maps and zeroes it a 4 KiB page
 at a time, a page fault each: on a 2-core VM, 14 500 faults and 29 ms of system time in a
-240 ms step (docs/speed.md). ``retain`` sets ``M_MMAP_THRESHOLD`` to 256 MiB and
+243 ms step (docs/speed.md). ``retain`` sets ``M_MMAP_THRESHOLD`` to 256 MiB and
 ``M_TRIM_THRESHOLD`` to 1 GiB (``mallopt(3)``), so the freed blocks stay in the heap for
 the next step: the process keeps the step's peak memory instead of returning it.
 
