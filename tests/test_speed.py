@@ -468,6 +468,13 @@ def test_auto_keeps_freed_memory_only_where_it_measures_faster(
     # The next run with the same settings reads it, timing nothing.
     again = choose(net, **args, batch_size=8)
     assert (again.allocator, again.allocator_how, len(timed)) == ("retain", "cached", 2)
+    # A damaged figure in the cache is left out of the log, not formatted.
+    file = tmp_path / "speed_choices.json"
+    file.write_text(file.read_text().replace("1200.0", '"x"'))
+    damaged = choose(net, **args, batch_size=8)
+    assert damaged.allocator_images_per_s == {"system": 1000.0} and "system 1,000)" in (
+        damaged.describe(CPU)
+    )
     # Where retain is slower it is not kept: glibc's thresholds go back to their ceiling.
     monkeypatch.setattr(
         choose_mod,

@@ -575,7 +575,9 @@ def choose_allocator(
     if isinstance(entry, dict) and entry.get("allocator") in malloc.MODES:
         malloc.set_mode(entry["allocator"])
         figures = entry.get("images_per_s")
-        return entry["allocator"], figures if isinstance(figures, dict) else {}, "cached"
+        figures = figures if isinstance(figures, dict) else {}
+        numbers = {k: float(v) for k, v in figures.items() if k in malloc.MODES and _number(v)}
+        return entry["allocator"], numbers, "cached"
     figures = {}
     for candidate in malloc.MODES[::-1]:  # system first: glibc's own thresholds
         malloc.set_mode(candidate)
