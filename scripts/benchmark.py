@@ -373,12 +373,13 @@ def markdown_section(results, choices, args, cuda: bool, warmups: dict, allocato
         if args.argv is None
         else (" ".join(["python scripts/benchmark.py", *args.argv]))
     )
+    malloc_line = allocator_line(allocator)
     lines = [
         f"## {hardware_title(cuda)}; patch {PATCH}",
         "",
         f"`{command}`; {versions_line()}.",
         "",
-        f"{allocator_line(allocator)[0].upper()}{allocator_line(allocator)[1:]}.",
+        f"{malloc_line[0].upper()}{malloc_line[1:]}.",
         "",
         f"Batch {args.batch}, fused AdamW, median of {args.reps} repetitions of {args.steps} "
         "training steps after warm-up, implementations interleaved in one process. "

@@ -75,8 +75,9 @@ def set_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"allocator mode {mode!r} is unknown; use one of {list(MODES)}")
     if mode == "retain":
-        if unavailable():
-            raise OSError(f"speed.allocator=retain cannot be set: {unavailable()}")
+        why = unavailable()
+        if why:
+            raise OSError(f"speed.allocator=retain cannot be set: {why}")
         _mallopt(RETAIN)
         _state["set"] = True
     elif _state["set"]:

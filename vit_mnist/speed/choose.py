@@ -566,8 +566,8 @@ def choose_allocator(
         return mode, {}, "forced"
     if device.type != "cpu":
         why = "the GPU's memory comes from PyTorch's caching allocator"
-        return malloc.current_mode(), {}, f"not timed: {why}"
-    why = malloc.unavailable()
+    else:
+        why = malloc.unavailable()
     if why:
         return malloc.current_mode(), {}, f"not timed: {why}"
     key = _digest(["allocator", hardware_key(device), model_args, batch_size, list(probe)])
