@@ -151,6 +151,7 @@ def test_causal_model_has_nothing_to_explain():
     assert relevance.shape == (2, 4, 4) and (relevance == 0).all()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 def test_relevance_on_cuda_equals_cpu():
     model = tiny(depth=3)

@@ -59,11 +59,13 @@ def _grads(net: VisionTransformer, forward, x: torch.Tensor) -> tuple[torch.Tens
     return out.detach(), grads
 
 
-def _assert_same(name: str, causal: bool, patch_size: int, bf16: bool = False) -> None:
+def _assert_same(
+    name: str, causal: bool, patch_size: int, bf16: bool = False, device: torch.device = CPU
+) -> None:
     torch.manual_seed(0)
-    net = VisionTransformer(patch_size=patch_size, causal=causal, **TINY)
-    x = torch.randn(3, 1, 28, 28)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    net = VisionTransformer(patch_size=patch_size, causal=causal, **TINY).to(device)
+    x = torch.randn(3, 1, 28, 28, device=device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         ref, ref_grads = _grads(net, net, x)
         out, grads = _grads(net, PATHS[name].build(net), x)
     tol = dict(atol=2e-2, rtol=2e-2) if bf16 else dict(atol=1e-5, rtol=1e-4)
@@ -94,6 +96,18 @@ def test_eager_paths_agree_under_bf16_autocast(name):
 def test_compiled_paths_give_the_reference_values_and_gradients(name):
     _skip_unavailable(name)
     _assert_same(name, causal=False, patch_size=7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("name", list(PATHS))
+def test_paths_give_the_reference_values_and_gradients_on_cuda(name, bf16):
+    cuda = torch.device("cuda")
+    why = PATHS[name].unavailable(cuda)
+    if why is not None:
+        pytest.skip(f"path {name} cannot run on CUDA: {why}")
+    _assert_same(name, causal=False, patch_size=7, bf16=bf16, device=cuda)
 
 
 def test_paths_run_the_models_own_parameters():
