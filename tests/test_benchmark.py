@@ -64,3 +64,23 @@ def test_benchmark_writes_one_section_per_hardware_class(benchmark, tmp_path, mo
     assert "## CPU: Other, class AVX2; patch 4" in text
     assert benchmark.main(argv) == 0
     assert out.read_text().count(f"class {isa_class()}") == 1
+
+
+def test_a_peer_that_fails_to_compile_is_left_out_not_the_run(benchmark, monkeypatch):
+    def fails(**arch):
+        raise AssertionError("inductor")  # as torch 2.11's inductor did on CUDA
+
+    impls = {"ours (reference)": benchmark.IMPLS["ours (reference)"], **benchmark.PEER_BUILDERS}
+    monkeypatch.setattr(
+        benchmark, "implementations", lambda *a: {**impls, "timm (compiled)": fails}
+    )
+    warmups: dict = {}
+    cpu = benchmark.torch.device("cpu")
+    args = dict(batch=8, steps=1, reps=1, warmup=0, compile_too=False, warmup_s=warmups)
+    results, _ = benchmark.run_row(cpu, False, benchmark.ARCHS["default"], **args)
+    assert "timm (compiled)" not in results and "timm" in results
+    assert warmups["timm (compiled)"] == "failed (AssertionError), row left out"
+    # Ours failing to build still stops the run.
+    monkeypatch.setattr(benchmark, "implementations", lambda *a: {"ours (compile)": fails})
+    with pytest.raises(AssertionError):
+        benchmark.run_row(cpu, False, benchmark.ARCHS["default"], **args)
