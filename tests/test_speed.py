@@ -442,7 +442,9 @@ def test_timing_drops_a_clearly_slower_candidate_after_one_round(monkeypatch):
     monkeypatch.setattr(choose_mod, "PATHS", paths)
     net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
     pairs = [("reference", "32-true"), ("slow", "32-true")]
-    timing = choose_mod.time_candidates(net, pairs, device=CPU, batch_size=4, rounds=5, steps=2)
+    timing = choose_mod.time_candidates(
+        net, pairs, device=CPU, batch_size=4, rounds=5, steps=2, min_round_s=0.0
+    )
     assert timing.images_per_s["slow 32-true"] < 0.85 * timing.images_per_s["reference 32-true"]
     # One first step and one round of two for each, then the slow one is out and the
     # reference alone is left: nothing more to compare.
@@ -535,9 +537,35 @@ def test_a_single_candidate_is_timed_over_every_round(monkeypatch):
     monkeypatch.setattr(choose_mod, "PATHS", paths)
     net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
     choose_mod.time_candidates(
-        net, [("reference", "32-true")], device=CPU, batch_size=4, rounds=3, steps=2
+        net, [("reference", "32-true")], device=CPU, batch_size=4, rounds=3, steps=2, min_round_s=0
     )
     assert len(steps) == 1 + 3 * 2  # the first step, then three rounds of two
+
+
+def test_short_steps_are_timed_in_rounds_of_min_round_s(monkeypatch):
+    import dataclasses
+
+    steps = []
+
+    def build(net):
+        def forward(x):
+            steps.append(1)
+            time.sleep(0.02)  # a 20 ms step, as a GPU's
+            return net(x)
+
+        return forward
+
+    paths = {"reference": dataclasses.replace(PATHS["reference"], build=build)}
+    monkeypatch.setattr(choose_mod, "PATHS", paths)
+    net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
+    pair = ("reference", "32-true")
+    timing = choose_mod.time_candidates(
+        net, [pair], device=CPU, batch_size=4, rounds=2, steps=2, min_round_s=0.1
+    )
+    # The first step, then rounds of about 0.1 s: at most 5 steps of 20 ms and more; the
+    # second round's at least 4, sized by the first round's measured steps.
+    assert 1 + 2 + 4 <= len(steps) <= 1 + 2 * 5
+    assert timing.images_per_s["reference 32-true"] < 4 / 0.02
 
 
 @pytest.mark.skipif(malloc.unavailable() is not None, reason="needs Linux with glibc")

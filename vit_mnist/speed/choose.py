@@ -29,6 +29,7 @@ import copy
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -335,13 +336,19 @@ def time_candidates(
     batch_size: int,
     rounds: int = 5,
     steps: int = 2,
+    min_round_s: float = 0.1,
     budget_s: float = 6.0,
     keep: float = KEEP,
 ) -> Timing:
-    """Images/s of each (path, precision) over interleaved rounds of ``steps`` training
-    steps (forward, cross-entropy, backward, fused AdamW step): the best of its rounds,
-    since on a shared machine a moment of load only ever slows a round down (as
-    :mod:`timeit` takes the minimum time).
+    """Images/s of each (path, precision) over interleaved rounds of training steps
+    (forward, cross-entropy, backward, fused AdamW step): the best of its rounds, since on
+    a shared machine a moment of load only ever slows a round down (as :mod:`timeit` takes
+    the minimum time).
+
+    A round of a candidate is ``steps`` steps, or more where its steps are short: as many
+    as its last measured step time (at first, its first step's) says fill ``min_round_s``
+    seconds. On a GPU a step of the default model takes about 15 ms, and two of them are
+    too short to time against the host's jitter in launching kernels.
 
     After each round a candidate below ``keep`` times the leader's best is dropped, so
     the rounds that follow go to the candidates close enough for the choice to matter; the
@@ -384,16 +391,19 @@ def time_candidates(
             step(*pair)
             sync()
             first_step_s[_name(pair)] = time.perf_counter() - start
+        step_s = {pair: first_step_s[_name(pair)] for pair in pairs}
         live = list(pairs)
         start = time.perf_counter()
         for r in range(rounds):
             for pair in live if r % 2 == 0 else live[::-1]:  # either order: drift hits all
+                n = max(steps, math.ceil(min_round_s / max(step_s[pair], 1e-6)))
                 sync()
                 t0 = time.perf_counter()
-                for _ in range(steps):
+                for _ in range(n):
                     step(*pair)
                 sync()
-                speeds[pair].append(steps * batch_size / (time.perf_counter() - t0))
+                step_s[pair] = (time.perf_counter() - t0) / n
+                speeds[pair].append(batch_size / step_s[pair])
             leader = max(max(speeds[p]) for p in live)
             live = [p for p in live if max(speeds[p]) >= keep * leader]
             alone = len(live) == 1 and len(pairs) > 1
