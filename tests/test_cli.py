@@ -124,6 +124,26 @@ def test_hydra_errors_are_one_line(monkeypatch, capsys):
     assert "did you mean" not in unset
 
 
+def test_a_checkout_that_is_not_installed_is_told_to_install_it(monkeypatch, capsys):
+    # Without `pip install -e .`, configs/ is no package: Hydra finds no primary config.
+    import hydra
+
+    from vit_mnist.cli import _command_line
+
+    @_command_line
+    @hydra.main(version_base="1.3", config_path="pkg://vit_mnist.not_installed", config_name="x")
+    def train(cfg) -> None:
+        pytest.fail("ran without a config")
+
+    monkeypatch.setattr(sys, "argv", ["train.py", "hydra/hydra_logging=none"])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        train()
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "'vit_mnist.not_installed' not found" in err and "pip install -e ." in err
+
+
 def test_train_cli_with_user_overrides_then_eval(tmp_path):
     run_dir = tmp_path / "train"
     result = run(

@@ -85,6 +85,12 @@ def _hydra_error_line(error: Exception, command: str) -> str | None:
             "https://hydra.cc/docs/advanced/override_grammar/basic/)"
         )
     if isinstance(error, MissingConfigException):
+        if text.startswith("Primary config module"):
+            # configs/ is the package vit_mnist.configs only once the project is installed.
+            return (
+                f"{text.splitlines()[0]} Install the project first: pip install -e . in the "
+                "checkout (the README's quick start)"
+            )
         missing = re.search(r"Could not (?:find|load) '([^']+)'", text)
         options = re.findall(r"^\t(\S+)$", text.split("Config search path")[0], re.M)
         if missing and "/" in missing.group(1):
