@@ -27,6 +27,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from vit_mnist.errors import ConfigError
+from vit_mnist.speed.allocator import MODES
 
 PRECISIONS = ["32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true"]
 ACCELERATORS = ["auto", "cpu", "gpu", "cuda", "mps"]
@@ -102,7 +103,7 @@ class SpeedSettings:
     path: str = _setting(example="speed.path=auto")
     auto_compile: Any = _setting(check=_auto_or_bool, example="speed.auto_compile=auto")
     compile_budget: float = _setting(ge=0, le=1, example="speed.compile_budget=0.05")
-    allocator: str = _setting(choices=("auto", "retain", "system"), example="speed.allocator=auto")
+    allocator: str = _setting(choices=("auto", *MODES), example="speed.allocator=auto")
     cache: bool = _setting()
 
 

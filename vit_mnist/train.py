@@ -35,7 +35,7 @@ from vit_mnist.io import write_metrics
 from vit_mnist.models.vit import check_vit_args
 from vit_mnist.module import ViTClassifier, check_module_args
 from vit_mnist.settings import TrainSettings, check_settings, import_target
-from vit_mnist.speed.choose import check_allocator, check_speed_path, choose
+from vit_mnist.speed.choose import check_speed_path, choose
 from vit_mnist.speed.hardware import describe_device, resolve_precision, uses_cuda
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,6 @@ def check_config(cfg: DictConfig) -> None:
     model = _resolved(cfg.model)
     check_vit_args(**model)
     check_speed_path((cfg.get("speed") or {}).get("path", "auto"))
-    check_allocator((cfg.get("speed") or {}).get("allocator", "auto"))
     data = cfg.data
     if data.get("augment"):
         BatchAugment(**_resolved(data.augment))  # raises ConfigError on bad ranges
