@@ -98,6 +98,26 @@ def test_compiled_paths_give_the_reference_values_and_gradients(name):
     _assert_same(name, causal=False, patch_size=7)
 
 
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiled_paths_evaluate_without_compiling(name, monkeypatch):
+    """Only the training step is compiled: without gradients (validation, test) the path's
+    function runs eagerly, with the reference's logits."""
+    _skip_unavailable(name)
+
+    def no_compile(module, **kwargs):
+        return lambda x: pytest.fail("the evaluation forward went to torch.compile")
+
+    monkeypatch.setattr(torch, "compile", no_compile)
+    torch.manual_seed(0)
+    net = VisionTransformer(patch_size=7, **TINY).eval()
+    forward = PATHS[name].build(net)
+    x = torch.randn(3, 1, 28, 28)
+    with torch.no_grad():
+        torch.testing.assert_close(forward(x), net(x), atol=1e-5, rtol=1e-4)
+    with torch.inference_mode():
+        torch.testing.assert_close(forward(x), net(x), atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("bf16", [False, True])

@@ -199,11 +199,10 @@ class ViTClassifier(L.LightningModule):
     def _warm_up_compiled(self) -> None:
         """Compile before the first training step, so the fitting time leaves it out.
 
-        Runs the compiled model once in training mode (forward and backward) and once in
-        evaluation mode, on a zero batch of the training batch size, under the trainer's
-        precision and the grad mode of Lightning's validation during fit. The gradients
-        are dropped and the random-number state is restored, so the run is the same as
-        without it.
+        Runs the compiled model once in training mode (forward and backward) on a zero
+        batch of the training batch size, under the trainer's precision. (Evaluation,
+        without gradients, runs eagerly: nothing to compile.) The gradients are dropped
+        and the random-number state is restored, so the run is the same as without it.
         """
         trainer = self.trainer
         batch = getattr(trainer.datamodule, "batch_size", 2) if trainer.datamodule else 2
@@ -216,21 +215,15 @@ class ViTClassifier(L.LightningModule):
         start = time.perf_counter()
         with trainer.precision_plugin.forward_context():
             self._step_forward(x).float().sum().backward()
+        self.compile_time_s = time.perf_counter() - start
         self.net.zero_grad(set_to_none=True)
-        if self.record_compiles:
-            # What speed.auto_compile=auto expects this model to cost to compile next time.
-            pair = (self.speed_path, str(trainer.precision))
-            record_compile(self.device, self.hparams["model"], pair, time.perf_counter() - start)
-        # Validation inside fit runs under no_grad: Lightning builds the fit loop's
-        # validation loop with inference_mode=False.
-        self.net.eval()
-        with torch.no_grad(), trainer.precision_plugin.forward_context():
-            self._step_forward(x)
-        self.net.train()
         torch.set_rng_state(cpu_rng)
         if cuda_rng:
             torch.cuda.set_rng_state_all(cuda_rng)
-        self.compile_time_s = time.perf_counter() - start
+        if self.record_compiles:
+            # What speed.auto_compile=auto expects this model to cost to compile next time.
+            pair = (self.speed_path, str(trainer.precision))
+            record_compile(self.device, self.hparams["model"], pair, self.compile_time_s)
         log.info("torch.compile warm-up: %.1f s", self.compile_time_s)
 
     def on_train_start(self) -> None:

@@ -40,7 +40,8 @@ class TrainingPath:
         summary: one line for logs and ``--help`` texts.
         build: model -> its forward on this path (the model's own modules).
         unavailable: device -> why this path cannot run there, or None where it can.
-        compiles: whether the first calls compile (a warm-up before fitting, not timed).
+        compiles: whether the first training step compiles (a warm-up before fitting, not
+            timed); evaluation, without gradients, runs the same function eagerly.
         unsupported: model -> why this path cannot run it, or None where it can.
     """
 
@@ -113,10 +114,16 @@ class _PathModule(nn.Module):
 def _compiled(function: Callable[..., torch.Tensor]) -> Callable[[VisionTransformer], Forward]:
     def build(net: VisionTransformer) -> Forward:
         # dynamic=True: one graph serves every batch size (an epoch's last, smaller batch
-        # and the evaluation batches); inductor caches the compiled code on disk.
+        # too); inductor caches the compiled code on disk.
         compiled = torch.compile(_PathModule(net, function), dynamic=True)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
+            # The training step alone is compiled. Without gradients (validation, test)
+            # the same function runs eagerly: a graph of its own would cost a first
+            # compile as long as the training graph's, for a forward pass that is a few
+            # seconds of a whole run (docs/speed.md).
+            if not torch.is_grad_enabled():
+                return function(net, x)
             with compile_settings():
                 return compiled(x)
 
