@@ -120,8 +120,8 @@ def _compiled(function: Callable[..., torch.Tensor]) -> Callable[[VisionTransfor
         def forward(x: torch.Tensor) -> torch.Tensor:
             # The training step alone is compiled. Without gradients (validation, test)
             # the same function runs eagerly: a graph of its own would cost a first
-            # compile as long as the training graph's, for a forward pass that is a few
-            # seconds of a whole run (docs/speed.md).
+            # compile of its own (11 to 27 s on 2 cores) for a forward pass that is a
+            # few seconds of a whole run (docs/speed.md).
             if not torch.is_grad_enabled():
                 return function(net, x)
             with compile_settings():
