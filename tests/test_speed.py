@@ -439,25 +439,27 @@ def test_the_compile_record_keeps_the_longest_first_compile(tmp_path, monkeypatc
     assert choose_mod.compile_record(CPU, TINY).compile_s == {"compile 32-true": 2.0}
 
 
-def test_timing_drops_a_clearly_slower_candidate_after_one_round(monkeypatch):
+def _counted_path(name: str, steps: dict[str, int], delay_s: float = 0.0):
+    """The reference path under ``name``, each forward counted in ``steps[name]`` and
+    lengthened by ``delay_s`` seconds: a path whose speed a test sets."""
     import dataclasses
 
+    def build(net):
+        def forward(x):
+            steps[name] = steps.get(name, 0) + 1
+            time.sleep(delay_s)
+            return net(x)
+
+        return forward
+
+    return dataclasses.replace(PATHS["reference"], name=name, build=build)
+
+
+def test_timing_drops_a_clearly_slower_candidate_after_one_round(monkeypatch):
     steps = {"reference": 0, "slow": 0}
-
-    def counted(name, delay):
-        def build(net):
-            def forward(x):
-                steps[name] += 1
-                time.sleep(delay)
-                return net(x)
-
-            return forward
-
-        return build
-
     paths = {
-        "reference": dataclasses.replace(PATHS["reference"], build=counted("reference", 0.0)),
-        "slow": dataclasses.replace(PATHS["reference"], name="slow", build=counted("slow", 0.05)),
+        "reference": _counted_path("reference", steps),
+        "slow": _counted_path("slow", steps, 0.05),
     }
     monkeypatch.setattr(choose_mod, "PATHS", paths)
     net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
@@ -542,41 +544,19 @@ def test_forced_and_unknown_allocator_modes(monkeypatch, mallopt_calls):
 
 
 def test_a_single_candidate_is_timed_over_every_round(monkeypatch):
-    import dataclasses
-
-    steps = []
-
-    def build(net):
-        def forward(x):
-            steps.append(1)
-            return net(x)
-
-        return forward
-
-    paths = {"reference": dataclasses.replace(PATHS["reference"], build=build)}
-    monkeypatch.setattr(choose_mod, "PATHS", paths)
+    steps: dict[str, int] = {}
+    monkeypatch.setattr(choose_mod, "PATHS", {"reference": _counted_path("reference", steps)})
     net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
     choose_mod.time_candidates(
         net, [("reference", "32-true")], device=CPU, batch_size=4, rounds=3, steps=2, min_round_s=0
     )
-    assert len(steps) == 1 + 3 * 2  # the first step, then three rounds of two
+    assert steps["reference"] == 1 + 3 * 2  # the first step, then three rounds of two
 
 
 def test_short_steps_are_timed_in_rounds_of_min_round_s(monkeypatch):
-    import dataclasses
-
-    steps = []
-
-    def build(net):
-        def forward(x):
-            steps.append(1)
-            time.sleep(0.02)  # a 20 ms step, as a GPU's
-            return net(x)
-
-        return forward
-
-    paths = {"reference": dataclasses.replace(PATHS["reference"], build=build)}
-    monkeypatch.setattr(choose_mod, "PATHS", paths)
+    steps: dict[str, int] = {}
+    # A 20 ms step, as a GPU's.
+    monkeypatch.setattr(choose_mod, "PATHS", {"reference": _counted_path("reference", steps, 0.02)})
     net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
     pair = ("reference", "32-true")
     timing = choose_mod.time_candidates(
@@ -584,7 +564,7 @@ def test_short_steps_are_timed_in_rounds_of_min_round_s(monkeypatch):
     )
     # The first step, then rounds of about 0.1 s: at most 5 steps of 20 ms and more; the
     # second round's at least 4, sized by the first round's measured steps.
-    assert 1 + 2 + 4 <= len(steps) <= 1 + 2 * 5
+    assert 1 + 2 + 4 <= steps["reference"] <= 1 + 2 * 5
     assert timing.images_per_s["reference 32-true"] < 4 / 0.02
 
 
