@@ -586,7 +586,7 @@ def choose_allocator(
         malloc.set_mode(entry["allocator"])
         figures = entry.get("images_per_s")
         figures = figures if isinstance(figures, dict) else {}
-        numbers = {k: float(v) for k, v in figures.items() if k in malloc.MODES and _number(v)}
+        numbers = {k: n for k, v in figures.items() if k in malloc.MODES and (n := _number(v))}
         return entry["allocator"], numbers, "cached"
     figures = {}
     for candidate in malloc.MODES[::-1]:  # system first: glibc's own thresholds
