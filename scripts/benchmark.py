@@ -251,8 +251,8 @@ RUN_EPOCHS = 20  # --run-epochs sets it; python train.py's default
 def set_allocator(mode: str, device: torch.device, batch: int) -> tuple[str, dict, str]:
     """Set the ``malloc`` mode every row runs under (``speed.allocator``; the peers' rows
     too, as it is the process's). ``auto`` times it on ``handwritten`` in fp32 at the
-    default architecture (now, the cache unused), where train.py's ``auto`` times the
-    fastest eager path it found. Returns what choose_allocator does."""
+    default architecture (now, the cache unused), as train.py's ``auto`` does before it
+    times the paths. Returns what choose_allocator does."""
     arch = ARCHS["default"]
     return choose_allocator(
         reference_vit(**arch),

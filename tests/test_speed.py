@@ -530,6 +530,22 @@ def test_auto_keeps_freed_memory_only_where_it_measures_faster(
     assert mallopt_calls == []
 
 
+def test_auto_times_the_paths_under_the_malloc_mode_it_keeps(tmp_path, monkeypatch, mallopt_calls):
+    monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
+    monkeypatch.setattr(malloc, "unavailable", lambda: None)
+    monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: False)
+    timed: list = []
+    fake = _timing_by_malloc_mode({"system": 1000.0, "retain": 1200.0}, timed)
+    monkeypatch.setattr(choose_mod, "time_candidates", fake)
+    net = VisionTransformer(patch_size=7, **TINY)
+    choice = choose(net, model_args=TINY, device=CPU, batch_size=8, include_compiled=False)
+    probe = [("handwritten", "32-true")]
+    eager, _ = candidates(CPU, "auto", "32-true", include_compiled=False)
+    # The mode first, on handwritten; then every path under the mode the run trains with.
+    assert timed == [("system", probe), ("retain", probe), ("retain", eager)]
+    assert (choice.allocator, choice.how) == ("retain", "measured")
+
+
 def test_forced_and_unknown_allocator_modes(monkeypatch, mallopt_calls):
     monkeypatch.setattr(choose_mod, "time_candidates", lambda *a, **k: pytest.fail("timed"))
     net = VisionTransformer(patch_size=7, **TINY)

@@ -17,10 +17,11 @@ pays the first compile once, and from then on every run compares the compiled pa
 for seconds. What was compiled here, how long it took and how long each model trained is
 kept in ``$VIT_MNIST_CACHE/compile_times.json``.
 
-On a CPU with glibc, ``speed.allocator=auto`` then times whether ``malloc`` keeping the
-memory a step frees (:mod:`vit_mnist.speed.allocator`) makes the fastest eager path's
-steps faster, and sets it for the run where it does (the compiled paths are timed under
-it).
+On a CPU with glibc, ``speed.allocator=auto`` first times whether ``malloc`` keeping the
+memory a step frees (:mod:`vit_mnist.speed.allocator`) makes ``handwritten``'s steps
+faster, and sets it for the run where it does; the paths are then timed under the mode the
+run trains with, which can rank them differently (a step that frees large blocks pays more
+page faults without it).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -500,9 +500,9 @@ def choose(
             False in every process of a multi-process run but one, which trains the same
             seconds alongside it.
         allocator: ``auto`` (``retain`` where it measures faster, on a CPU with glibc) or a
-            mode of :mod:`vit_mnist.speed.allocator` (forced). Timed on the fastest eager
-            candidate (the forced path; ``handwritten`` for a compiled one) once the eager
-            paths are timed; the compiled paths are timed under it.
+            mode of :mod:`vit_mnist.speed.allocator` (forced). Timed before the paths, on
+            a forced eager path, else on ``handwritten`` (always available) at the first
+            candidate precision; every path is then timed under it.
 
     Raises:
         ConfigError: an unknown path or allocator mode, or a forced one that cannot run here.
@@ -510,26 +510,20 @@ def choose(
     start = time.perf_counter()
     pairs, skipped = candidates(device, path, precision, include_compiled, net)
     check_allocator(allocator)
-    settled: list[tuple[str, dict[str, float], str]] = []
-
-    def settle(probe: Pair) -> None:
-        settled.append(
-            choose_allocator(
-                net,
-                probe,
-                allocator,
-                device=device,
-                model_args=model_args,
-                batch_size=batch_size,
-                use_cache=use_cache,
-            )
-        )
-
+    forced_eager = len(pairs) == 1 and not PATHS[pairs[0][0]].compiles
+    settled = choose_allocator(
+        net,
+        pairs[0] if forced_eager else ("handwritten", pairs[0][1]),
+        allocator,
+        device=device,
+        model_args=model_args,
+        batch_size=batch_size,
+        use_cache=use_cache,
+    )
     choice = _choose_path(
         net,
         pairs,
         skipped,
-        settle,
         model_args=model_args,
         device=device,
         batch_size=batch_size,
@@ -540,7 +534,7 @@ def choose(
         record=record,
         count_training=count_training,
     )
-    choice.allocator, choice.allocator_images_per_s, choice.allocator_how = settled[0]
+    choice.allocator, choice.allocator_images_per_s, choice.allocator_how = settled
     if choice.how != "forced" or choice.allocator_how in ("measured", "cached"):
         choice.seconds = time.perf_counter() - start  # else nothing was timed or read
     return choice
@@ -610,7 +604,6 @@ def _choose_path(
     net: VisionTransformer,
     pairs: list[Pair],
     skipped: dict[str, str],
-    settle: Callable[[Pair], None],
     *,
     model_args: dict[str, Any],
     device: torch.device,
@@ -623,12 +616,9 @@ def _choose_path(
     count_training: bool,
 ) -> Choice:
     """:func:`choose`'s path and precision among ``pairs`` (its other arguments are
-    :func:`choose`'s). ``settle(pair)`` chooses the malloc mode on the eager pair the run
-    is likely to train with, once it is known and before a compiled path is timed."""
+    :func:`choose`'s), under the malloc mode already set."""
     if len(pairs) == 1:
-        pair = pairs[0]
-        settle(("handwritten", pair[1]) if PATHS[pair[0]].compiles else pair)
-        return Choice(*pair, skipped=skipped)
+        return Choice(*pairs[0], skipped=skipped)
     if all(PATHS[p].compiles for p, _ in pairs):
         # A forced compiled path with precision auto: timing it means compiling it once per
         # precision, so the precision is chosen on the handwritten eager path instead.
@@ -636,14 +626,12 @@ def _choose_path(
             net, [("handwritten", q) for _, q in pairs], device, model_args, batch_size, use_cache
         )
         best = max(speeds.figures, key=speeds.figures.get)
-        settle(("handwritten", best.split(" ")[1]))
         return Choice(pairs[0][0], best.split(" ")[1], speeds.figures, 0.0, speeds.how, skipped)
     eager = [p for p in pairs if not PATHS[p[0]].compiles]
     compiled = [p for p in pairs if PATHS[p[0]].compiles]
     first = _timed_or_cached(net, eager, device, model_args, batch_size, use_cache)
     figures, how, compile_s = dict(first.figures), first.how, {}
     best_eager = max(eager, key=lambda p: figures[_name(p)])
-    settle(best_eager)
     to_time: list[Pair] = []
     if compiled:
         record = compile_record(device, model_args) if record is None else record
