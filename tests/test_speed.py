@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -325,13 +326,12 @@ def test_a_damaged_cache_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: False)
     net = VisionTransformer(patch_size=7, **TINY)
     args = dict(model_args=TINY, device=CPU, batch_size=8)
-    for damage in ("[1, 2]", "not json", '{"KEY": {"path": "warp"}}'):
+    pairs = choose_mod.candidates(CPU, "auto", "auto", False)[0]
+    key = choose_mod._cache_key(CPU, TINY, 8, pairs)
+    no_candidate = {key: {"path": "warp"}}  # an entry under the right key
+    not_numbers = {key: {"images_per_s": {f"{p} {q}": True for p, q in pairs}}}
+    for damage in ("[1, 2]", "not json", json.dumps(no_candidate), json.dumps(not_numbers)):
         (tmp_path / "speed_choices.json").write_text(damage)
-        if "KEY" in damage:  # an entry under the right key that names no candidate
-            key = choose_mod._cache_key(
-                CPU, TINY, 8, choose_mod.candidates(CPU, "auto", "auto", False)[0]
-            )
-            (tmp_path / "speed_choices.json").write_text(damage.replace("KEY", key))
         assert choose(net, **args).how == "measured"
     assert choose(net, **args).how == "cached"
 

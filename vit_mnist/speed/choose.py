@@ -207,14 +207,13 @@ def _choices_file() -> Path:
 
 
 def _cached_speeds(key: str, pairs: list[Pair]) -> dict[str, float] | None:
-    """The figures cached under ``key`` if they cover ``pairs``, else None."""
+    """The figures cached under ``key`` if they cover ``pairs`` (each a positive number),
+    else None."""
     entry = _read_json(_choices_file()).get(key)
     if not isinstance(entry, dict) or not isinstance(entry.get("images_per_s"), dict):
         return None
-    speeds = entry["images_per_s"]
-    if not all(isinstance(speeds.get(_name(p)), (int, float)) for p in pairs):
-        return None
-    return {_name(p): float(speeds[_name(p)]) for p in pairs}
+    speeds = {_name(p): _number(entry["images_per_s"].get(_name(p))) for p in pairs}
+    return speeds if all(v > 0 for v in speeds.values()) else None
 
 
 def _cache_speeds(key: str, device: torch.device, speeds: dict[str, float]) -> None:
