@@ -325,7 +325,7 @@ def test_a_damaged_cache_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
     monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: False)
     net = VisionTransformer(patch_size=7, **TINY)
-    args = dict(model_args=TINY, device=CPU, batch_size=8)
+    args = dict(model_args=TINY, device=CPU, batch_size=8, allocator="system")
     pairs = choose_mod.candidates(CPU, "auto", "auto", False)[0]
     key = choose_mod._cache_key(CPU, TINY, 8, pairs)
     no_candidate = {key: {"path": "warp"}}  # an entry under the right key
@@ -544,6 +544,11 @@ def test_auto_times_the_paths_under_the_malloc_mode_it_keeps(tmp_path, monkeypat
     # The mode first, on handwritten; then every path under the mode the run trains with.
     assert timed == [("system", probe), ("retain", probe), ("retain", eager)]
     assert (choice.allocator, choice.how) == ("retain", "measured")
+    # Figures timed under one mode are not read under the other: the paths are timed again.
+    again = choose(
+        net, model_args=TINY, device=CPU, batch_size=8, include_compiled=False, allocator="system"
+    )
+    assert (again.how, timed[-1]) == ("measured", ("system", eager))
 
 
 def test_forced_and_unknown_allocator_modes(monkeypatch, mallopt_calls):

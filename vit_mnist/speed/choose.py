@@ -4,8 +4,8 @@
 steps on the real device, model shape and batch size, keep the fastest, and remember the
 answer in ``$VIT_MNIST_CACHE/speed_choices.json`` (default ``~/.cache/vit_mnist``), keyed
 by the CPU model and instruction-set flags (or the GPU's name), the torch version, the
-model's arguments, the batch size and the candidates. A later run with the same key starts
-at once.
+model's arguments, the batch size, the candidates and the ``malloc`` mode they were timed
+under. A later run with the same key starts at once.
 
 The compiled paths compile before their first step: in seconds where this machine has
 compiled the model before (inductor keeps what it built on disk), in 30 to 60 s for a
@@ -182,7 +182,9 @@ def _digest(value: Any) -> str:
 
 
 def _cache_key(device, model_args, batch_size, pairs) -> str:
-    return _digest([hardware_key(device), model_args, batch_size, [list(p) for p in pairs]])
+    # Figures timed under one malloc mode can rank the paths otherwise than under the other.
+    mode = malloc.current_mode() if device.type == "cpu" else None
+    return _digest([hardware_key(device), model_args, batch_size, [list(p) for p in pairs], mode])
 
 
 def _read_json(file: Path) -> dict[str, Any]:
