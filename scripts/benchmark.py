@@ -11,15 +11,16 @@ Every implementation is built with the same architecture (image 28, 1 channel, 1
 class token, the same patch size, embed_dim, depth, heads and MLP width), trained with
 AdamW on the same random batch at the same precision, in this one process. Ours runs once
 per speed path (vit_mnist/speed: the same model and parameters, only the way the step is
-computed differs), and again as `auto`: the path that ``speed.path=auto`` picks here for
-a default ``train.py`` run, on a machine that has compiled nothing yet and on one that has
+computed differs), and as `auto`: the path that ``speed.path=auto`` picks here for a
+default ``train.py`` run, on a machine that has compiled nothing yet and on one that has
 compiled the model before (timed afresh, not from the cache; docs/speed.md says why the
-two differ). After warm-up steps the implementations take turns, in the opposite order
-every other repetition:
-each repetition times `--steps` training steps (forward, cross-entropy, backward, fused
-AdamW step) of every implementation in turn, so a drift in the machine's speed touches
-all of them alike. The table gives the median images/s over the repetitions and each
-one's ratio to the faster peer.
+two differ), whose row is that path's own. After warm-up steps the implementations take
+turns, in the opposite order every other repetition: each repetition times `--steps`
+training steps (forward, cross-entropy, backward, fused AdamW step) of every
+implementation in turn, so a drift in the machine's speed touches all of them alike. The
+table gives the median images/s over the repetitions and the median of each repetition's
+ratio to the faster peer in that repetition (pair by pair, so a slow moment of the
+machine cancels out of the ratio).
 
 Each run writes the section of docs/benchmarks.md for this hardware (CPU model and
 instruction-set class, or GPU), keeping the other classes' sections: one table per class.
@@ -287,10 +288,43 @@ def auto_choice(arch: dict, device: torch.device, bf16: bool, batch: int, compil
     )
 
 
+@dataclass
+class Row:
+    """One implementation's figures in one run: every repetition's images/s, and its
+    ratio to the faster peer in that same repetition."""
+
+    images_per_s: list[float]
+    ratios: list[float]
+    memory_mb: float
+
+    @property
+    def speed(self) -> float:
+        """Median images/s over the repetitions."""
+        return statistics.median(self.images_per_s)
+
+    @property
+    def ratio(self) -> float:
+        """Median over the repetitions of images/s over the faster peer's, pair by pair."""
+        return statistics.median(self.ratios)
+
+    def over(self, other: Row) -> float:
+        """Median over the repetitions of this row's images/s over ``other``'s."""
+        pairs = zip(self.images_per_s, other.images_per_s, strict=True)
+        return statistics.median(a / b for a, b in pairs)
+
+
 def run_row(device, bf16, arch, *, batch, steps, reps, warmup, compile_too, warmup_s):
-    """``{implementation: (median images/s, memory MB)}`` for one device/precision/arch,
-    with ``ours (auto, ...: PATH)`` rows for the paths auto picks. ``warmup_s`` receives
-    each implementation's warm-up seconds (for a compiled model, mostly compilation)."""
+    """``{implementation: Row}`` for one device/precision/arch, with an ``ours (auto,
+    ...: PATH)`` row for each setting's choice, and what ``auto`` chose. ``warmup_s``
+    receives each implementation's warm-up seconds (for a compiled model, mostly
+    compilation).
+
+    An ``auto`` row is the row of the path it chose, the same trained model: ``auto``
+    decides which path trains, and that path's row measures it. A second model on the same
+    path, built later in the process, measured as much where ``malloc`` had placed its
+    memory as the choice: up to 14% apart from the path's own row (docs/speed.md). A path
+    with no row of its own here (a compiled one, where this run leaves them out) gets one.
+    """
     trainers = {}
 
     def add(name: str, builder) -> None:
@@ -321,15 +355,22 @@ def run_row(device, bf16, arch, *, batch, steps, reps, warmup, compile_too, warm
     choices = {"auto, first run": first}
     if compile_too:
         choices["auto, compiled before"] = auto_choice(arch, device, bf16, batch, True)
-    for setting, choice in choices.items():
-        add(f"ours ({setting}: {choice.path})", ours(choice.path))
+    for choice in choices.values():
+        if f"ours ({choice.path})" not in trainers:
+            add(f"ours ({choice.path})", ours(choice.path))
     speeds: dict[str, list[float]] = {name: [] for name in trainers}
     for rep in range(reps):
         for name in list(trainers)[:: 1 if rep % 2 == 0 else -1]:
             speeds[name].append(trainers[name].timed(steps))
-    return {
-        name: (statistics.median(speeds[name]), trainers[name].memory_mb()) for name in trainers
-    }, choices
+    peers = [p for p in PEERS if p in speeds]
+    best_peer = [max(speeds[p][i] for p in peers) for i in range(reps)]
+    rows = {}
+    for name, trainer in trainers.items():
+        ratios = [s / b for s, b in zip(speeds[name], best_peer, strict=True)]
+        rows[name] = Row(speeds[name], ratios, trainer.memory_mb())
+    for setting, choice in choices.items():
+        rows[f"ours ({setting}: {choice.path})"] = rows[f"ours ({choice.path})"]
+    return rows, choices
 
 
 def hardware_title(cuda: bool) -> str:
@@ -393,34 +434,38 @@ def markdown_section(results, choices, args, cuda: bool, warmups: dict, allocato
         "",
         f"Batch {args.batch}, fused AdamW, median of {args.reps} repetitions of {args.steps} "
         "training steps after warm-up, implementations interleaved in one process. "
-        "Ratio: images/s over the faster of timm and vit-pytorch. Memory: CUDA peak allocated "
+        "Ratio: the median, repetition by repetition, of images/s over the faster of timm and "
+        "vit-pytorch in that repetition. Memory: CUDA peak allocated "
         "per step; CPU: activations saved for backward. `ours (auto, first run: PATH)` is the "
         f"path `speed.path=auto` chose in this run for a `train.py` run of {args.run_epochs} "
         "epochs on "
         "a machine that has compiled nothing yet (it times the compiled paths only where "
         "their first compile fits in `speed.compile_budget` of the training time); `ours "
         "(auto, compiled before: PATH)` its choice once the model has been compiled here, "
-        "when the compiled paths are timed too. Both are timed again beside the others.",
+        "when the compiled paths are timed too. Each `auto` row repeats the row of the path "
+        "it chose: the same model.",
         "",
         "| precision | architecture | implementation | images/s | ratio to best peer "
         "| memory (MB) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for (row, arch), per_impl in results.items():
-        best_peer = max(per_impl[p][0] for p in PEERS)
-        for name, (speed, mem) in per_impl.items():
+        for name, r in per_impl.items():
             lines.append(
-                f"| {row} | {arch} | {name} | {speed:,.0f} | {speed / best_peer:.2f} | {mem:,.1f} |"
+                f"| {row} | {arch} | {name} | {r.speed:,.0f} | {r.ratio:.2f} | {r.memory_mb:,.1f} |"
             )
-    lines += ["", "`auto` against the fastest single path of ours in the same run:", ""]
+    lines += [
+        "",
+        "`auto` against the fastest single path of ours in the same run (the median, "
+        "repetition by repetition, of its images/s over the fastest's):",
+        "",
+    ]
     for (row, arch), per_impl in results.items():
-        singles = {
-            n: v for n, (v, _) in per_impl.items() if n.startswith("ours (") and ":" not in n
-        }
-        fastest = max(singles, key=singles.get)
+        singles = {n: r for n, r in per_impl.items() if n.startswith("ours (") and ":" not in n}
+        fastest = max(singles, key=lambda n: singles[n].speed)
         autos = [
-            f"{n[len('ours (') : -1]} {v / singles[fastest]:.2f}x"
-            for n, (v, _) in per_impl.items()
+            f"{n[len('ours (') : -1]} {r.over(singles[fastest]):.2f}x"
+            for n, r in per_impl.items()
             if n.startswith("ours (auto")
         ]
         lines.append(f"- {row}, {arch}: fastest {fastest}; " + ", ".join(autos))
@@ -543,10 +588,7 @@ def main(argv: list[str] | None = None) -> int:
                 warmup_s=warmups[(row, label)],
             )
             results[(row, label)], choices[(row, label)] = per_impl, choice_of
-            best_peer = max(per_impl[p][0] for p in PEERS)
-            summary = ", ".join(
-                f"{n} {s:,.0f} ({s / best_peer:.2f}x)" for n, (s, _) in per_impl.items()
-            )
+            summary = ", ".join(f"{n} {r.speed:,.0f} ({r.ratio:.2f}x)" for n, r in per_impl.items())
             print(f"{row} | {label}: {summary}", flush=True)
     section = markdown_section(results, choices, args, cuda, warmups, allocator)
     if args.out == "-":

@@ -55,7 +55,11 @@ def test_benchmark_writes_one_section_per_hardware_class(benchmark, tmp_path, mo
     ]
     # Every eager path, the auto row, and both peers.
     assert len(rows) == len(eager) + 1 + 2
-    assert any("ours (auto, first run: " in r for r in rows)
+    (auto,) = [r for r in rows if "ours (auto, first run: " in r]
+    # auto's row is the chosen path's own row: the same model, the same figures.
+    chosen = auto.split("first run: ")[1].split(")")[0]
+    (own,) = [r for r in rows if f"| ours ({chosen}) |" in r]
+    assert auto.split(" | ")[3:] == own.split(" | ")[3:]
     from vit_mnist.speed.hardware import isa_class
 
     assert f"class {isa_class()}" in text and "torch " in text
