@@ -474,6 +474,27 @@ def test_timing_drops_a_clearly_slower_candidate_after_one_round(monkeypatch):
     assert set(timing.first_step_s) == {"reference 32-true", "slow 32-true"}
 
 
+def test_a_race_the_planned_rounds_did_not_decide_is_timed_on(monkeypatch):
+    steps = {"reference": 0, "twin": 0}
+    paths = {name: _counted_path(name, steps) for name in steps}  # the same speed
+    monkeypatch.setattr(choose_mod, "PATHS", paths)
+    net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
+    pairs = [("reference", "32-true"), ("twin", "32-true")]
+
+    def timed(close: float) -> dict[str, int]:
+        steps.update(reference=0, twin=0)
+        choose_mod.time_candidates(
+            net, pairs, device=CPU, batch_size=4, rounds=2, steps=1, min_round_s=0, close=close
+        )
+        return dict(steps)
+
+    # Every runner-up counts as close: the race goes on to three times the planned rounds
+    # (the first step, then six rounds of one step each).
+    assert timed(close=0.0001) == {"reference": 7, "twin": 7}
+    # Only an exact tie counts as close: the planned two rounds decide it.
+    assert timed(close=1.0) == {"reference": 3, "twin": 3}
+
+
 def _timing_by_malloc_mode(speeds: dict[str, float], timed: list):
     """A stand-in for time_candidates whose images/s depend on the malloc mode set."""
 
