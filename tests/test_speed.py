@@ -483,8 +483,18 @@ def test_a_race_the_planned_rounds_did_not_decide_is_timed_on(monkeypatch):
 
     def timed(close: float) -> dict[str, int]:
         steps.update(reference=0, twin=0)
+        # keep=0: neither twin is dropped as clearly slower on a moment of load; `close` alone
+        # decides.
         choose_mod.time_candidates(
-            net, pairs, device=CPU, batch_size=4, rounds=2, steps=1, min_round_s=0, close=close
+            net,
+            pairs,
+            device=CPU,
+            batch_size=4,
+            rounds=2,
+            steps=1,
+            min_round_s=0,
+            keep=0.0,
+            close=close,
         )
         return dict(steps)
 
