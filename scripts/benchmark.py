@@ -288,13 +288,18 @@ def auto_choice(arch: dict, device: torch.device, bf16: bool, batch: int, compil
     )
 
 
+def paired_ratio(a: list[float], b: list[float]) -> float:
+    """The median over the repetitions of ``a``'s images/s over ``b``'s, pair by pair."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
 @dataclass
 class Row:
-    """One implementation's figures in one run: every repetition's images/s, and its
-    ratio to the faster peer in that same repetition."""
+    """One implementation's figures in one run: every repetition's images/s, and the
+    faster peer's in the same repetitions."""
 
     images_per_s: list[float]
-    ratios: list[float]
+    best_peer: list[float]
     memory_mb: float
 
     @property
@@ -304,13 +309,8 @@ class Row:
 
     @property
     def ratio(self) -> float:
-        """Median over the repetitions of images/s over the faster peer's, pair by pair."""
-        return statistics.median(self.ratios)
-
-    def over(self, other: Row) -> float:
-        """Median over the repetitions of this row's images/s over ``other``'s."""
-        pairs = zip(self.images_per_s, other.images_per_s, strict=True)
-        return statistics.median(a / b for a, b in pairs)
+        """Over the faster peer, repetition by repetition (:func:`paired_ratio`)."""
+        return paired_ratio(self.images_per_s, self.best_peer)
 
 
 def run_row(device, bf16, arch, *, batch, steps, reps, warmup, compile_too, warmup_s):
@@ -362,12 +362,8 @@ def run_row(device, bf16, arch, *, batch, steps, reps, warmup, compile_too, warm
     for rep in range(reps):
         for name in list(trainers)[:: 1 if rep % 2 == 0 else -1]:
             speeds[name].append(trainers[name].timed(steps))
-    peers = [p for p in PEERS if p in speeds]
-    best_peer = [max(speeds[p][i] for p in peers) for i in range(reps)]
-    rows = {}
-    for name, trainer in trainers.items():
-        ratios = [s / b for s, b in zip(speeds[name], best_peer, strict=True)]
-        rows[name] = Row(speeds[name], ratios, trainer.memory_mb())
+    best_peer = [max(speeds[p][i] for p in PEERS) for i in range(reps)]
+    rows = {name: Row(speeds[name], best_peer, t.memory_mb()) for name, t in trainers.items()}
     for setting, choice in choices.items():
         rows[f"ours ({setting}: {choice.path})"] = rows[f"ours ({choice.path})"]
     return rows, choices
@@ -464,7 +460,8 @@ def markdown_section(results, choices, args, cuda: bool, warmups: dict, allocato
         singles = {n: r for n, r in per_impl.items() if n.startswith("ours (") and ":" not in n}
         fastest = max(singles, key=lambda n: singles[n].speed)
         autos = [
-            f"{n[len('ours (') : -1]} {r.over(singles[fastest]):.2f}x"
+            f"{n[len('ours (') : -1]} "
+            f"{paired_ratio(r.images_per_s, singles[fastest].images_per_s):.2f}x"
             for n, r in per_impl.items()
             if n.startswith("ours (auto")
         ]
