@@ -566,20 +566,61 @@ def test_auto_times_the_paths_under_the_malloc_mode_it_keeps(tmp_path, monkeypat
     monkeypatch.setattr(malloc, "unavailable", lambda: None)
     monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: False)
     timed: list = []
-    fake = _timing_by_malloc_mode({"system": 1000.0, "retain": 1200.0}, timed)
-    monkeypatch.setattr(choose_mod, "time_candidates", fake)
+    # retain speeds handwritten up, and fused most, so fused wins under it; but fused alone
+    # runs faster still under glibc's own malloc.
+    speeds = {"system": {"fused": 1300.0}, "retain": {"handwritten": 1200.0, "fused": 1250.0}}
+
+    def time_candidates(net, pairs, **kwargs):
+        mode = malloc.current_mode()
+        timed.append((mode, list(pairs)))
+        return choose_mod.Timing({f"{p} {q}": speeds[mode].get(p, 1000.0) for p, q in pairs}, {})
+
+    monkeypatch.setattr(choose_mod, "time_candidates", time_candidates)
     net = VisionTransformer(patch_size=7, **TINY)
     choice = choose(net, model_args=TINY, device=CPU, batch_size=8, include_compiled=False)
-    probe = [("handwritten", "32-true")]
+    probe, chosen = [("handwritten", "32-true")], [("fused", "32-true")]
     eager, _ = candidates(CPU, "auto", "32-true", include_compiled=False)
-    # The mode first, on handwritten; then every path under the mode the run trains with.
-    assert timed == [("system", probe), ("retain", probe), ("retain", eager)]
-    assert (choice.allocator, choice.how) == ("retain", "measured")
+    # The mode first, on handwritten; then every path under the mode it kept; then, as
+    # another path won, the mode again on that path, whose answer the run keeps.
+    assert timed == [
+        ("system", probe),
+        ("retain", probe),
+        ("retain", eager),
+        ("system", chosen),
+        ("retain", chosen),
+    ]
+    assert (choice.path, choice.how) == ("fused", "measured")
+    assert (choice.allocator, choice.allocator_how) == ("system", "measured")
+    assert choice.allocator_images_per_s == {"system": 1300.0, "retain": 1250.0}
+    assert malloc.current_mode() == "system" and mallopt_calls[-1] == malloc.CEILING
+    # Run again: all three answers come from the cache, and the mode is set as before.
+    timed.clear()
+    cached = choose(net, model_args=TINY, device=CPU, batch_size=8, include_compiled=False)
+    assert timed == []
+    assert (cached.path, cached.how, cached.allocator, cached.allocator_how) == (
+        "fused",
+        "cached",
+        "system",
+        "cached",
+    )
     # Figures timed under one mode are not read under the other: the paths are timed again.
     again = choose(
         net, model_args=TINY, device=CPU, batch_size=8, include_compiled=False, allocator="system"
     )
     assert (again.how, timed[-1]) == ("measured", ("system", eager))
+
+
+@pytest.mark.parametrize(
+    ("pair", "stand_in"),
+    [
+        (("compile", "32-true"), ("handwritten", "32-true")),
+        (("compile_native", "bf16-mixed"), ("native", "bf16-mixed")),
+        (("fused", "bf16-mixed"), ("fused", "bf16-mixed")),
+    ],
+)
+def test_malloc_is_timed_on_a_compiled_paths_eager_counterpart(pair, stand_in):
+    assert choose_mod.eager_counterpart(pair) == stand_in
+    assert not PATHS[stand_in[0]].compiles
 
 
 def test_forced_and_unknown_allocator_modes(monkeypatch, mallopt_calls):

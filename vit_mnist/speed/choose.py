@@ -21,12 +21,16 @@ On a CPU with glibc, ``speed.allocator=auto`` first times whether ``malloc`` kee
 memory a step frees (:mod:`vit_mnist.speed.allocator`) makes ``handwritten``'s steps
 faster, and sets it for the run where it does; the paths are then timed under the mode the
 run trains with, which can rank them differently (a step that frees large blocks pays more
-page faults without it).
+page faults without it). Where the path and precision chosen are another pair, the mode is
+timed again on them (a compiled path's eager counterpart stands in for it), as the answer
+can differ between pairs: on one AVX-512 CPU ``retain`` sped ``handwritten`` up in fp32
+and slowed ``native`` down in bf16 by a fifth (docs/speed.md).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import logging
@@ -513,7 +517,9 @@ def choose(
         allocator: ``auto`` (``retain`` where it measures faster, on a CPU with glibc) or a
             mode of :mod:`vit_mnist.speed.allocator` (forced). Timed before the paths, on
             a forced eager path, else on ``handwritten`` (always available) at the first
-            candidate precision; every path is then timed under it.
+            candidate precision; every path is then timed under it. Where the pair chosen
+            is another (:func:`eager_counterpart` of it), ``auto`` times the mode again on
+            that pair and keeps what is faster for it.
 
     Raises:
         ConfigError: an unknown path or allocator mode, or a forced one that cannot run here.
@@ -521,16 +527,18 @@ def choose(
     start = time.perf_counter()
     pairs, skipped = candidates(device, path, precision, include_compiled, net)
     check_allocator(allocator)
-    forced_eager = len(pairs) == 1 and not PATHS[pairs[0][0]].compiles
-    settled = choose_allocator(
+    settle = functools.partial(
+        choose_allocator,
         net,
-        pairs[0] if forced_eager else ("handwritten", pairs[0][1]),
-        allocator,
+        mode=allocator,
         device=device,
         model_args=model_args,
         batch_size=batch_size,
         use_cache=use_cache,
     )
+    forced_eager = len(pairs) == 1 and not PATHS[pairs[0][0]].compiles
+    probe = pairs[0] if forced_eager else ("handwritten", pairs[0][1])
+    settled = settle(probe=probe)
     choice = _choose_path(
         net,
         pairs,
@@ -545,10 +553,20 @@ def choose(
         record=record,
         count_training=count_training,
     )
+    chosen = eager_counterpart((choice.path, choice.precision))
+    if allocator == "auto" and chosen != probe and settled[2] in ("measured", "cached"):
+        settled = settle(probe=chosen)
     choice.allocator, choice.allocator_images_per_s, choice.allocator_how = settled
     if choice.how != "forced" or choice.allocator_how in ("measured", "cached"):
         choice.seconds = time.perf_counter() - start  # else nothing was timed or read
     return choice
+
+
+def eager_counterpart(pair: Pair) -> Pair:
+    """``pair`` itself, or for a compiled path the eager path whose steps stand for it when
+    ``malloc`` is timed (timing the compiled one again would compile it again)."""
+    path, precision = pair
+    return {"compile": "handwritten", "compile_native": "native"}.get(path, path), precision
 
 
 def choose_allocator(
