@@ -623,6 +623,14 @@ def test_malloc_is_timed_on_a_compiled_paths_eager_counterpart(pair, stand_in):
     assert not PATHS[stand_in[0]].compiles
 
 
+def test_every_compiled_path_names_an_eager_counterpart_and_no_eager_path_does():
+    for name, path in PATHS.items():
+        if path.compiles:
+            assert path.eager in PATHS and not PATHS[path.eager].compiles, name
+        else:
+            assert path.eager is None, name
+
+
 def test_forced_and_unknown_allocator_modes(monkeypatch, mallopt_calls):
     monkeypatch.setattr(choose_mod, "time_candidates", lambda *a, **k: pytest.fail("timed"))
     net = VisionTransformer(patch_size=7, **TINY)

@@ -564,9 +564,9 @@ def choose(
 
 def eager_counterpart(pair: Pair) -> Pair:
     """``pair`` itself, or for a compiled path the eager path whose steps stand for it when
-    ``malloc`` is timed (timing the compiled one again would compile it again)."""
+    ``malloc`` is timed (:attr:`TrainingPath.eager <vit_mnist.speed.paths.TrainingPath>`)."""
     path, precision = pair
-    return {"compile": "handwritten", "compile_native": "native"}.get(path, path), precision
+    return PATHS[path].eager or path, precision
 
 
 def choose_allocator(

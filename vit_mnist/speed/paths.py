@@ -43,6 +43,9 @@ class TrainingPath:
         compiles: whether the first training step compiles (a warm-up before fitting, not
             timed); evaluation, without gradients, runs the same function eagerly.
         unsupported: model -> why this path cannot run it, or None where it can.
+        eager: for a compiled path, the eager path whose steps stand for it where timing
+            it again would mean compiling it again (``malloc``'s mode, in
+            :mod:`vit_mnist.speed.choose`); None for an eager path.
     """
 
     name: str
@@ -51,6 +54,7 @@ class TrainingPath:
     unavailable: Callable[[torch.device], str | None]
     compiles: bool = False
     unsupported: Callable[[VisionTransformer], str | None] = lambda net: None
+    eager: str | None = None
 
 
 def _always(device: torch.device) -> None:
@@ -198,6 +202,7 @@ PATHS: dict[str, TrainingPath] = {
             _compiled(vit_forward),
             _compile_unavailable,
             compiles=True,
+            eager="handwritten",
         ),
         TrainingPath(
             "native",
@@ -213,6 +218,7 @@ PATHS: dict[str, TrainingPath] = {
             _compile_native_unavailable,
             compiles=True,
             unsupported=_needs_full_width_heads,
+            eager="native",
         ),
     )
 }
