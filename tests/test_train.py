@@ -53,6 +53,9 @@ def check_run(run_dir: Path, metrics: dict, epochs: int) -> Path:
     # The speedrun's clock (first step to last) sits inside the whole fit.
     assert 0 < written["fit_time_s"] <= written["train_time_s"]
     assert written["train_images_per_s"] > 0
+    by_epoch = written["train_images_per_s_by_epoch"]
+    assert len(by_epoch) == epochs
+    assert min(by_epoch) <= written["train_images_per_s"] <= max(by_epoch)
     assert written["device"].startswith("cpu")
     assert written["epochs"] == epochs
 

@@ -391,6 +391,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             if throughput and throughput.median
             else None
         ),
+        # The same, epoch by epoch: on a shared machine the rate can change from one epoch
+        # to the next (docs/speed.md), which the median hides.
+        "train_images_per_s_by_epoch": (
+            [round(r * trainer.world_size, 1) for r in throughput.images_per_s]
+            if throughput
+            else None
+        ),
         "world_size": trainer.world_size,
         "effective_batch_size": cfg.data.batch_size * trainer.world_size,
         "epochs": trainer.current_epoch,
