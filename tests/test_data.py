@@ -102,6 +102,17 @@ def test_batch_random_affine_identity_and_fill():
     assert not torch.allclose(out[0], out[1])
 
 
+@pytest.mark.parametrize("h, w", [(28, 28), (5, 9)])
+def test_affine_grid_is_torchs(h, w):
+    from vit_mnist.data.augment import affine_grid
+
+    theta = torch.randn(16, 2, 3)
+    expected = torch.nn.functional.affine_grid(theta, [16, 1, h, w], align_corners=False)
+    got = affine_grid(theta, h, w)
+    assert got.shape == expected.shape == (16, h, w, 2)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
 def test_elastic_distortion_is_simards_smoothed_field_per_image():
     from torchvision.transforms.functional import gaussian_blur
 

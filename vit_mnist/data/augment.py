@@ -18,6 +18,31 @@ def _uniform(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=8)
+def _base_grid(h: int, w: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(3, h*w): each output pixel's (x, y, 1) in ``F.affine_grid``'s [-1, 1] coordinates
+    (``align_corners=False``), taken from ``F.affine_grid`` itself with the identity map."""
+    identity = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]], device=device, dtype=dtype)
+    xy = F.affine_grid(identity, [1, 1, h, w], align_corners=False).reshape(h * w, 2)
+    return torch.cat([xy, xy.new_ones(h * w, 1)], dim=1).T.contiguous()
+
+
+def affine_grid(theta: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """``F.affine_grid(theta, (B, C, h, w), align_corners=False)``, as one matrix product.
+
+    The grid is linear in ``theta``: each pixel's source point is ``theta @ (x, y, 1)``.
+    ``F.affine_grid`` builds a (B, h, w, 3) base grid per call and multiplies B small
+    matrices: 1.16 ms for a batch of 256 28 x 28 images on a 2-core AMD EPYC (about 3% of
+    a training step), where this (2B, 3) x (3, h*w) product takes 0.05 ms
+    (docs/speed.md). The values agree to float rounding (tests/test_data.py).
+
+    Shapes: theta (B, 2, 3) float -> grid (B, h, w, 2), a view of a (B, 2, h, w) tensor.
+    """
+    b = theta.shape[0]
+    base = _base_grid(h, w, theta.device, theta.dtype)
+    return (theta.reshape(b * 2, 3) @ base).view(b, 2, h, w).permute(0, 2, 3, 1)
+
+
+@functools.lru_cache(maxsize=8)
 def _gaussian_matrix(
     n: int, sigma: float, device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -129,7 +154,7 @@ class BatchRandomAffine(nn.Module):
         theta = torch.stack(
             [torch.stack([cos_x, -sin, tx], dim=1), torch.stack([sin_x, cos, ty], dim=1)], dim=1
         ).to(x.dtype)  # (B, 2, 3)
-        grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+        grid = affine_grid(theta, *x.shape[-2:])
         if self.elastic_alpha:
             grid = grid + self._elastic(x)
         # grid_sample pads with zeros: shift the background to 0 and back.
