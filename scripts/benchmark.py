@@ -503,8 +503,10 @@ def markdown_section(results, choices, args, cuda: bool, warmups: dict, allocato
 
 HEADER = """# Training throughput: vit-mnist against timm and vit-pytorch
 
-Written by `scripts/benchmark.py`, one section per hardware class measured (each run
-replaces its own class's section). Every row of ours trains the same model
+Written by `scripts/benchmark.py`, one section per hardware class and patch size measured
+(each run replaces its own section), and by `scripts/train_vs_peers.py` (the sections
+"python train.py against the peers": the default training run, Lightning and data
+included, against the peers' plain loop, pair by pair). Every row of ours trains the same model
 (`vit_mnist/models`); the speed path in brackets is how the step is computed
 (`vit_mnist/speed`, docs/speed.md).
 """

@@ -1,0 +1,99 @@
+"""scripts/train_vs_peers.py builds the peers as the run's model, and reports pair by pair."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+METRICS = {
+    "model": {
+        "img_size": 28,
+        "in_chans": 1,
+        "num_classes": 10,
+        "patch_size": 7,
+        "embed_dim": 64,
+        "depth": 6,
+        "num_heads": 4,
+        "mlp_ratio": 2.0,
+        "causal": False,
+    },
+    "effective_batch_size": 256,
+    "precision": "bf16-mixed",
+    "speed_path": "native",
+    "train_images_per_s": 6000.0,
+    "train_images_per_s_by_epoch": [5800.0, 6200.0],
+}
+
+
+@pytest.fixture(scope="module")
+def script():
+    pytest.importorskip("timm")
+    pytest.importorskip("vit_pytorch")
+    sys.path.insert(0, str(ROOT / "scripts"))  # it imports its sibling benchmark.py
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "train_vs_peers", ROOT / "scripts" / "train_vs_peers.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    return module
+
+
+def test_the_peers_get_the_runs_architecture_batch_and_precision(script):
+    spec = script.peer_arch(METRICS)
+    assert spec == {
+        "embed_dim": 64,
+        "depth": 6,
+        "num_heads": 4,
+        "mlp_dim": 128,
+        "patch": 7,
+        "batch": 256,
+        "bf16": True,
+    }
+    assert script.peer_arch({**METRICS, "precision": "32-true"})["bf16"] is False
+    # The benchmark's default architecture is the default run's.
+    arch = {k: spec[k] for k in ("embed_dim", "depth", "num_heads", "mlp_dim")}
+    assert arch == script.bench.ARCHS["default"]
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"in_chans": 3}, "3 x 28"),
+        ({"num_classes": 47}, "47 classes"),
+        ({"causal": True}, "causal"),
+    ],
+)
+def test_a_model_the_peers_cannot_match_is_refused(script, change, match):
+    metrics = {**METRICS, "model": {**METRICS["model"], **change}}
+    with pytest.raises(ValueError, match=match):
+        script.peer_arch(metrics)
+
+
+def test_the_peers_loop_times_both_peers(script):
+    spec = {**script.peer_arch(METRICS), "batch": 4, "bf16": False, "depth": 1}
+    speeds = script.time_peers(spec, steps=1, reps=2, warmup=0)
+    assert set(speeds) == {"timm", "vit-pytorch"} and min(speeds.values()) > 0
+
+
+def test_the_section_gives_each_pair_and_the_median_ratio(script):
+    spec = script.peer_arch(METRICS)
+    pairs = [
+        {"metrics": METRICS, "spec": spec, "peers": {"timm": 1000, "vit-pytorch": 4000}},
+        {"metrics": METRICS, "spec": spec, "peers": {"timm": 1000, "vit-pytorch": 5000}},
+        {"metrics": METRICS, "spec": spec, "peers": {"timm": 3000, "vit-pytorch": 2000}},
+    ]
+    for p in pairs:
+        p["ratio"] = p["metrics"]["train_images_per_s"] / max(p["peers"].values())
+    text = script.markdown_section(pairs, "python scripts/train_vs_peers.py", [], epochs=2)
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [r.split(" | ")[-1] for r in rows] == ["1.50 |", "1.20 |", "2.00 |"]
+    assert "5,800, 6,200" in rows[0]
+    assert "Median ratio **1.50x** (pairs 1.20x to 2.00x)" in text
+    assert text.startswith("## CPU: ") and "python train.py against the peers" in text
