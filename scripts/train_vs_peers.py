@@ -42,8 +42,8 @@ def peer_arch(metrics: dict) -> dict:
     model and batch a ``train.py`` run's ``metrics.json`` records.
 
     Raises:
-        ValueError: a model the peers cannot build as the same architecture (attention
-            dropout, a causal mask, other than 28 x 28 single-channel images, 10 classes).
+        ValueError: a model the peers cannot build as the same architecture (a causal
+            mask; other than 28 x 28 single-channel images and 10 classes).
     """
     model = metrics["model"]
     if (model["img_size"], model["in_chans"], model["num_classes"]) != (
@@ -161,24 +161,14 @@ def markdown_section(pairs: list[dict], command: str, overrides: list[str], epoc
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=5)
-    parser.add_argument("--epochs", type=int, default=2, help="train.py's trainer.max_epochs")
-    parser.add_argument("--steps", type=int, default=10, help="peer steps per repetition")
-    parser.add_argument("--reps", type=int, default=5, help="peer repetitions (median)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed peer steps first")
-    parser.add_argument("--out", default="-", help="Markdown file to add the section to, or -")
-    parser.add_argument("--peers-only", metavar="SPEC", help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help="train.py's Hydra overrides")
-    args = parser.parse_args(argv)
-    if args.peers_only:
-        peers = time_peers(json.loads(args.peers_only), args.steps, args.reps, args.warmup)
-        print(json.dumps(peers))
-        return 0
-    if torch.cuda.is_available():
-        print("error: this compares CPU runs; on a GPU use scripts/gpu_check.py", file=sys.stderr)
-        return 2
+def run_pairs(args: argparse.Namespace) -> list[dict]:
+    """``args.pairs`` pairs of a ``train.py`` run and the peers' loop, each printed as it
+    ends: ``{"metrics", "peers", "spec", "ratio"}`` per pair.
+
+    Raises:
+        RuntimeError: ``train.py`` or the peers' loop failed (its stderr's end included).
+        ValueError: the run's model is one the peers cannot match (:func:`peer_arch`).
+    """
     pairs = []
     with tempfile.TemporaryDirectory() as tmp:
         spec = None
@@ -204,6 +194,35 @@ def main(argv: list[str] | None = None) -> int:
                 f"vit-pytorch {peers['vit-pytorch']:,.0f}: {figures['ratio']:.2f}x",
                 flush=True,
             )
+    return pairs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=2, help="train.py's trainer.max_epochs")
+    parser.add_argument("--steps", type=int, default=10, help="peer steps per repetition")
+    parser.add_argument("--reps", type=int, default=5, help="peer repetitions (median)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed peer steps first")
+    parser.add_argument("--out", default="-", help="Markdown file to add the section to, or -")
+    parser.add_argument("--peers-only", metavar="SPEC", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="train.py's Hydra overrides")
+    args = parser.parse_args(argv)
+    for name in ("pairs", "epochs", "steps", "reps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}={getattr(args, name)}: give 1 or more")
+    if args.peers_only:
+        peers = time_peers(json.loads(args.peers_only), args.steps, args.reps, args.warmup)
+        print(json.dumps(peers))
+        return 0
+    if torch.cuda.is_available():
+        print("error: this compares CPU runs; on a GPU use scripts/gpu_check.py", file=sys.stderr)
+        return 2
+    try:
+        pairs = run_pairs(args)
+    except (RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     command = " ".join(["python scripts/train_vs_peers.py", *(argv or sys.argv[1:])])
     section = markdown_section(pairs, command, args.overrides, args.epochs)
     if args.out == "-":

@@ -97,3 +97,15 @@ def test_the_section_gives_each_pair_and_the_median_ratio(script):
     assert "5,800, 6,200" in rows[0]
     assert "Median ratio **1.50x** (pairs 1.20x to 2.00x)" in text
     assert text.startswith("## CPU: ") and "python train.py against the peers" in text
+
+
+def test_bad_input_exits_2_with_the_reason(script, capsys, monkeypatch):
+    monkeypatch.setattr(script.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        script.main(["--pairs", "0"])
+    assert exit_.value.code == 2 and "--pairs=0: give 1 or more" in capsys.readouterr().err
+    # A train.py that fails (here an override of a key that does not exist) stops the
+    # comparison with train.py's own message, not a traceback.
+    assert script.main(["--pairs", "1", "model.no_such_key=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "no_such_key" in err
