@@ -211,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("pairs", "epochs", "steps", "reps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}={getattr(args, name)}: give 1 or more")
+    try:
+        import timm  # noqa: F401
+        import vit_pytorch  # noqa: F401
+    except ImportError as e:
+        print(f"error: {e.name} is missing: pip install -e '.[bench]'", file=sys.stderr)
+        return 2
     if args.peers_only:
         peers = time_peers(json.loads(args.peers_only), args.steps, args.reps, args.warmup)
         print(json.dumps(peers))
