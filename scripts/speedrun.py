@@ -28,25 +28,29 @@ from vit_mnist.io import write_metrics
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_seed(seed: int, out: Path, overrides: list[str]) -> dict:
-    """Train one seed in a fresh process; its metrics.json plus ``command_wall_s``."""
-    run_dir = out / f"seed_{seed}"
-    cmd = [
-        sys.executable,
-        str(ROOT / "train.py"),
-        "experiment=speedrun",
-        f"seed={seed}",
-        f"hydra.run.dir={run_dir}",
-        *overrides,
-    ]
+def run_train_py(run_dir: Path, args: list[str], label: str = "python train.py") -> dict:
+    """``python train.py hydra.run.dir=RUN_DIR ARGS`` in a fresh process; its metrics.json
+    plus ``command_wall_s`` (the process's wall seconds).
+
+    Raises:
+        RuntimeError: the process failed: ``label``, its exit code and its stderr's last
+            lines.
+    """
+    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *args]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         tail = proc.stderr.decode(errors="replace").strip().splitlines()[-5:]
-        raise RuntimeError(f"seed {seed} failed (exit {proc.returncode}): " + " | ".join(tail))
+        raise RuntimeError(f"{label} failed (exit {proc.returncode}): " + " | ".join(tail))
     metrics = json.loads((run_dir / "metrics.json").read_text())
     return {**metrics, "command_wall_s": wall}
+
+
+def run_seed(seed: int, out: Path, overrides: list[str]) -> dict:
+    """Train one seed in a fresh process; its metrics.json plus ``command_wall_s``."""
+    args = ["experiment=speedrun", f"seed={seed}", *overrides]
+    return run_train_py(out / f"seed_{seed}", args, label=f"seed {seed}")
 
 
 def main(argv: list[str] | None = None) -> int:

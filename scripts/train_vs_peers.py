@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 import benchmark as bench
+import speedrun
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,22 +88,6 @@ def time_peers(spec: dict, steps: int, reps: int, warmup: int) -> dict[str, floa
         for name in list(loops)[:: 1 if rep % 2 == 0 else -1]:
             speeds[name].append(loops[name].timed(steps))
     return {name: statistics.median(v) for name, v in speeds.items()}
-
-
-def run_train(overrides: list[str], epochs: int, out: Path) -> dict:
-    """``python train.py`` in a process of its own; its ``metrics.json``."""
-    cmd = [
-        sys.executable,
-        str(ROOT / "train.py"),
-        f"trainer.max_epochs={epochs}",
-        "test=false",
-        f"hydra.run.dir={out}",
-        *overrides,
-    ]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads((out / "metrics.json").read_text())
 
 
 def run_peers(spec: dict, args: argparse.Namespace) -> dict[str, float]:
@@ -177,7 +162,8 @@ def run_pairs(args: argparse.Namespace) -> list[dict]:
             # The first pair starts with train.py: its metrics give the peers' precision.
             for side in ("train", "peers") if i % 2 == 0 or spec is None else ("peers", "train"):
                 if side == "train":
-                    m = run_train(args.overrides, args.epochs, Path(tmp) / str(i))
+                    run = [f"trainer.max_epochs={args.epochs}", "test=false", *args.overrides]
+                    m = speedrun.run_train_py(Path(tmp) / str(i), run)
                     spec = spec or peer_arch(m)
                     figures["metrics"] = m
                 else:
