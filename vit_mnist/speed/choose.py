@@ -23,8 +23,8 @@ faster, and sets it for the run where it does; the paths are then timed under th
 run trains with, which can rank them differently (a step that frees large blocks pays more
 page faults without it). Where the path and precision chosen are another pair, the mode is
 timed again on them (a compiled path's eager counterpart stands in for it), as the answer
-can differ between pairs: on one AVX-512 CPU ``retain`` sped ``handwritten`` up in fp32
-and slowed ``native`` down in bf16 by a fifth (docs/speed.md).
+can differ between pairs: what a step allocates and frees, and so what keeping it saves,
+depends on the path and precision.
 """
 
 from __future__ import annotations
@@ -554,7 +554,8 @@ def choose(
         count_training=count_training,
     )
     chosen = eager_counterpart((choice.path, choice.precision))
-    if allocator == "auto" and chosen != probe and settled[2] in ("measured", "cached"):
+    _, _, how = settled
+    if allocator == "auto" and chosen != probe and how in ("measured", "cached"):
         settled = settle(probe=chosen)
     choice.allocator, choice.allocator_images_per_s, choice.allocator_how = settled
     if choice.how != "forced" or choice.allocator_how in ("measured", "cached"):
