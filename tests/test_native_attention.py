@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from tests.helpers import assert_same_values_and_gradients, count_applies
-from vit_mnist.models import MultiHeadSelfAttention
+from vit_mnist.models import MultiHeadSelfAttention, VisionTransformer
 from vit_mnist.speed import native
 from vit_mnist.speed.forward import attention_forward, handwritten_backward_core
 from vit_mnist.speed.hardware import cpuinfo_flags
-from vit_mnist.speed.native_forward import native_core
+from vit_mnist.speed.native_forward import native_core, native_vit_forward
 from vit_mnist.speed.paths import PATHS
 
 CPU = torch.device("cpu")
@@ -37,6 +37,20 @@ _WHY_NOT = PATHS["native"].unavailable(CPU)
 needs_kernel = pytest.mark.skipif(
     _WHY_NOT is not None, reason=f"the native path cannot run here: {_WHY_NOT}"
 )
+# The kernel's builds this CPU runs: its own class's and, on an AVX-512 CPU, the AVX2 build
+# (8-float vectors) that an AVX2 CPU gets. Each test that takes ``target`` runs on each.
+TARGETS = [native.build_target()] if _WHY_NOT is None else []
+if TARGETS == ["AVX-512"] and "avx2" in _FLAGS:
+    TARGETS.append("AVX2")
+
+
+@pytest.fixture(params=TARGETS or [None])
+def target(request, monkeypatch) -> str:
+    """The kernel's build target for this test (see TARGETS)."""
+    if request.param is None:
+        pytest.skip(f"the native path cannot run here: {_WHY_NOT}")
+    monkeypatch.setattr(native, "build_target", lambda: request.param)
+    return request.param
 
 
 def both_ways(attn: MultiHeadSelfAttention, x: torch.Tensor, bf16: bool, cls: bool = False):
@@ -64,7 +78,9 @@ def seeded_attention(tokens, embed_dim, num_heads, causal, batch):
     "tokens,embed_dim,num_heads",
     [(50, 64, 4), (17, 16, 2), (65, 40, 2), (50, 64, 2), (1, 32, 2), (128, 128, 2)],
 )
-def test_kernel_gives_the_explicit_paths_numbers_in_float32(tokens, embed_dim, num_heads, causal):
+def test_kernel_gives_the_explicit_paths_numbers_in_float32(
+    tokens, embed_dim, num_heads, causal, target
+):
     attn, x = seeded_attention(tokens, embed_dim, num_heads, causal, batch=3)
     params = [x, attn.qkv.weight, attn.qkv.bias, attn.proj.weight]
     for cls in (False, True):
@@ -83,7 +99,7 @@ def test_kernel_gives_the_explicit_paths_numbers_in_float32(tokens, embed_dim, n
     "tokens,embed_dim,num_heads", [(50, 64, 4), (17, 16, 2), (65, 40, 2), (33, 96, 3), (50, 10, 2)]
 )
 def test_kernel_gives_the_explicit_paths_numbers_under_bf16_autocast(
-    tokens, embed_dim, num_heads, causal
+    tokens, embed_dim, num_heads, causal, target
 ):
     # The same roundings to bfloat16 as the explicit path; a sum taken in another order can
     # land one bfloat16 step (2**-8 relative) away. Odd head_dim (5) and token counts
@@ -92,12 +108,24 @@ def test_kernel_gives_the_explicit_paths_numbers_under_bf16_autocast(
     for cls in (False, True):
         fast, slow = both_ways(attn, x, bf16=True, cls=cls)
         params = [x, attn.qkv.weight, attn.proj.weight]
-        if AVX512_BF16:
+        if AVX512_BF16 and target == "AVX-512":
             assert_same_values_and_gradients(fast, slow, params, atol=0, rtol=0)
         else:
             assert_same_values_and_gradients(fast, slow, params, atol=2e-2, rtol=2e-2)
         # Most elements are bit-identical: the kernel is not merely close.
         assert (fast == slow).float().mean() > 0.9
+
+
+def test_native_path_gives_the_models_values_and_gradients(target, monkeypatch):
+    # The whole model on each build: at AVX2 the attention kernel with PyTorch's add and
+    # LayerNorm (their kernel is AVX-512 only), at AVX-512 both kernels.
+    calls = calls_to_kernel(monkeypatch)
+    torch.manual_seed(0)
+    model = VisionTransformer(embed_dim=64, depth=2, num_heads=4, patch_size=4)
+    x = torch.randn(3, 1, 28, 28)
+    fast, slow = native_vit_forward(model, x), model(x)
+    assert_same_values_and_gradients(fast, slow, list(model.parameters()), atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2  # the kernel in both blocks (the last for the CLS query only)
 
 
 def calls_to_kernel(monkeypatch) -> list[int]:
@@ -125,12 +153,19 @@ def test_kernel_runs_only_for_the_explicit_paths_training_step(monkeypatch):
     assert len(calls) == 2
 
 
-def test_native_path_is_not_offered_without_avx512(monkeypatch):
-    monkeypatch.setattr("vit_mnist.speed.paths.isa_class", lambda: "AVX2")
+def test_native_path_is_offered_at_avx2_and_avx512_only(monkeypatch):
+    monkeypatch.setattr("vit_mnist.speed.native.isa_class", lambda: "ARM")
     reason = PATHS["native"].unavailable(CPU)
-    assert reason is not None and reason.startswith("needs AVX-512")
+    assert reason is not None and reason.startswith("needs AVX2 or AVX-512")
     assert PATHS["compile_native"].unavailable(CPU) == reason
     assert PATHS["native"].unavailable(torch.device("meta")) == "CPU only"
+    # PyTorch at AVX2 (an AVX2 CPU, or ATEN_CPU_CAPABILITY=avx2): the 8-float build, no
+    # LayerNorm kernel (AVX-512 intrinsics only).
+    monkeypatch.setattr("vit_mnist.speed.native.isa_class", lambda: "AVX2")
+    assert (native.build_target(), native.lanes()) == ("AVX2", 8)
+    assert not native.add_norm_usable(torch.zeros(2, 64), None, torch.nn.LayerNorm(64))
+    monkeypatch.setattr("vit_mnist.speed.native.isa_class", lambda: "AVX512-BF16")
+    assert (native.build_target(), native.lanes()) == ("AVX-512", 16)
 
 
 @needs_kernel
@@ -144,10 +179,11 @@ def test_build_is_cached_and_leaves_no_partial_file(monkeypatch, tmp_path):
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no *.tmp left over
 
 
+@needs_kernel
 def test_without_a_compiler_it_warns_and_the_explicit_path_runs(monkeypatch, tmp_path):
     monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    native._library.cache_clear()
+    native._target_library.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler found"):
             assert native.kernel_for(torch.zeros(1, 17, 48), None, 1) is None
@@ -158,7 +194,7 @@ def test_without_a_compiler_it_warns_and_the_explicit_path_runs(monkeypatch, tmp
         assert x.grad is not None and torch.isfinite(x.grad).all()
         assert not any((tmp_path / "kernels").glob("*"))  # nothing half-built left behind
     finally:
-        native._library.cache_clear()
+        native._target_library.cache_clear()
 
 
 @needs_kernel

@@ -197,17 +197,17 @@ def test_forced_path_is_not_timed(monkeypatch):
 def test_unknown_and_unavailable_paths_are_refused(monkeypatch):
     with pytest.raises(ConfigError, match=r"speed.path='warp' is unknown; use auto or one of"):
         candidates(CPU, "warp", "32-true", False)
-    monkeypatch.setattr("vit_mnist.speed.paths.isa_class", lambda: "AVX2")
-    with pytest.raises(ConfigError, match="speed.path=native cannot run here: needs AVX-512"):
+    monkeypatch.setattr("vit_mnist.speed.native.isa_class", lambda: "ARM")
+    with pytest.raises(ConfigError, match="speed.path=native cannot run here: needs AVX2 or AVX-"):
         candidates(CPU, "native", "32-true", False)
 
 
 def test_auto_leaves_out_what_cannot_run_or_compiles(monkeypatch):
-    monkeypatch.setattr("vit_mnist.speed.paths.isa_class", lambda: "AVX2")
+    monkeypatch.setattr("vit_mnist.speed.native.isa_class", lambda: "ARM")
     monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: False)
     pairs, skipped = candidates(CPU, "auto", "auto", include_compiled=False)
     assert pairs == [(n, "32-true") for n in ("reference", "fused", "handwritten")]
-    assert skipped["native"].startswith("needs AVX-512")
+    assert skipped["native"].startswith("needs AVX2 or AVX-512")
     assert "auto_compile" in skipped["compile"]
     monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: True)
     pairs, _ = candidates(CPU, "handwritten", "auto", include_compiled=False)
@@ -250,7 +250,7 @@ def test_isa_class_follows_aten_cpu_capability():
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     ).stdout
-    assert out.startswith("default False needs AVX-512"), out
+    assert out.startswith("default False needs AVX2 or AVX-512"), out
 
 
 @pytest.mark.parametrize("qkv_bias", [True, False])
@@ -370,7 +370,7 @@ def _fake_timing(speeds: dict[str, float], calls: list):
 def test_auto_times_a_first_compile_only_when_the_training_time_pays_for_it(tmp_path, monkeypatch):
     monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
     monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: False)
-    monkeypatch.setattr("vit_mnist.speed.paths.isa_class", lambda: "AVX2")  # no native
+    monkeypatch.setattr("vit_mnist.speed.native.isa_class", lambda: "ARM")  # no native
     speeds = {"reference 32-true": 900.0, "fused 32-true": 1000.0, "handwritten 32-true": 1100.0}
     speeds["compile 32-true"] = 1300.0
     calls: list = []

@@ -1,6 +1,6 @@
 // The explicit attention path's training step as one CPU kernel: softmax(Q K^T * scale) V
 // (Vaswani et al. 2017, eq. 1) and its backward, for short sequences (<= 128 tokens) and
-// small heads (head_dim <= 64). Built and loaded by vit_mnist/models/native.py.
+// small heads (head_dim <= 64). Built and loaded by vit_mnist/speed/native.py.
 //
 // Why a kernel: at ViT-on-MNIST sizes (50 tokens, head_dim 16) PyTorch runs this as batched
 // products of 50 x 16 matrices, a softmax and dtype casts, each its own pass over memory,
@@ -12,9 +12,10 @@
 // same roundings to bfloat16: the scores, the weights, the output, dP, dS and the gradients),
 // so results agree to float32 rounding, or to one bfloat16 step where a sum's order differs.
 //
-// Written with GCC/Clang vector extensions (16 float lanes), compiled with -march=native;
-// on a CPU with AVX512-BF16, bfloat16 inputs take forward_dp/backward_dp, whose products run
-// on vdpbf16ps (two bf16 products per float32 lane per instruction).
+// Written with GCC/Clang vector extensions, L float lanes wide: 16 in a build for AVX-512,
+// 8 in one for AVX2 (vit_mnist/speed/native.py builds for the instruction-set class PyTorch
+// runs at). On a CPU with AVX512-BF16, bfloat16 inputs take forward_dp/backward_dp, whose
+// products run on vdpbf16ps (two bf16 products per float32 lane per instruction).
 // OpenMP splits the (image, head) pairs over threads; built with -fopenmp, the library
 // shares the OpenMP runtime torch has already loaded (the same soname), so its threads are
 // torch's.
@@ -23,73 +24,87 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #if defined(__AVX512F__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16v __attribute__((vector_size(64)));
-typedef uint32_t u16v __attribute__((vector_size(64)));
-typedef uint16_t h16v __attribute__((vector_size(32)));
+// L float lanes per vector: 16 where the build targets AVX-512, else 8 (AVX2's 256-bit
+// registers). R_ROWS query rows at a time, the count that ran fastest at 50 tokens: with 8
+// lanes a row's scores take twice the registers, and AVX2 has half as many (16, not 32).
+#ifdef __AVX512F__
+constexpr int L = 16, R_ROWS = 4;
+#else
+constexpr int L = 8, R_ROWS = 2;
+#endif
+typedef float vf __attribute__((vector_size(4 * L)));
+typedef int32_t vi __attribute__((vector_size(4 * L)));
+typedef uint32_t vu __attribute__((vector_size(4 * L)));
+typedef uint16_t vh __attribute__((vector_size(2 * L)));
 
-// A broadcast; `v16{} + f` would cost a scalar add before it.
-inline v16 splat(float f) { return v16{f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f}; }
-inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+// A broadcast, written as {f, f, ..., f}: `vf{} + f` would cost a scalar add first.
+template <size_t... I> inline vf splat(float f, std::index_sequence<I...>) {
+  return vf{((void)I, f)...};
+}
+inline vf splat(float f) { return splat(f, std::make_index_sequence<L>()); }
+// {0, 1, ..., L - 1}.
+template <size_t... I> constexpr vi iota(std::index_sequence<I...>) { return vi{int32_t(I)...}; }
+constexpr vi iota() { return iota(std::make_index_sequence<L>()); }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
 // Round every lane to bfloat16 (nearest even), kept as float. NaN lanes stay NaN.
-inline v16 round_bf16(v16 x) {
+inline vf round_bf16(vf x) {
 #ifdef __AVX512BF16__
   // One instruction where the CPU has it; it also flushes denormals (below 1.2e-38) to 0.
-  h16v h = (h16v)_mm512_cvtneps_pbh((__m512)x);
-  return (v16)(__builtin_convertvector(h, u16v) << 16);
+  vh h = (vh)_mm512_cvtneps_pbh((__m512)x);
+  return (vf)(__builtin_convertvector(h, vu) << 16);
 #else
-  u16v u = (u16v)x;
-  u16v r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  i16v nan = (u & 0x7fffffffu) > 0x7f800000u;
-  return (v16)(nan ? (i16v)((u | 0x00400000u) & 0xffff0000u) : (i16v)r);
+  vu u = (vu)x;
+  vu r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  vi nan = (u & 0x7fffffffu) > 0x7f800000u;
+  return (vf)(nan ? (vi)((u | 0x00400000u) & 0xffff0000u) : (vi)r);
 #endif
 }
-template <bool BF16> inline v16 rnd(v16 x) {
+template <bool BF16> inline vf rnd(vf x) {
   if constexpr (BF16) return round_bf16(x); else return x;
 }
-// n (<= 16) elements from p, the other lanes 0.
-template <bool BF16> inline v16 load(const void* p, int n) {
+// n (<= L) elements from p, the other lanes 0.
+template <bool BF16> inline vf load(const void* p, int n) {
   if constexpr (BF16) {
-    h16v h = {};
-    if (n == 16) std::memcpy(&h, p, 32); else std::memcpy(&h, p, 2 * n);
-    return (v16)(__builtin_convertvector(h, u16v) << 16);
+    vh h = {};
+    if (n == L) std::memcpy(&h, p, 2 * L); else std::memcpy(&h, p, 2 * n);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
   } else {
-    v16 x = {};
-    if (n == 16) std::memcpy(&x, p, 64); else std::memcpy(&x, p, 4 * n);
+    vf x = {};
+    if (n == L) std::memcpy(&x, p, 4 * L); else std::memcpy(&x, p, 4 * n);
     return x;
   }
 }
 // The first n lanes of x (already rounded for bf16) to p.
-template <bool BF16> inline void store(void* p, v16 x, int n) {
+template <bool BF16> inline void store(void* p, vf x, int n) {
   if constexpr (BF16) {
-    h16v h = __builtin_convertvector(((u16v)x) >> 16, h16v);
-    if (n == 16) std::memcpy(p, &h, 32); else std::memcpy(p, &h, 2 * n);
+    vh h = __builtin_convertvector(((vu)x) >> 16, vh);
+    if (n == L) std::memcpy(p, &h, 2 * L); else std::memcpy(p, &h, 2 * n);
   } else {
-    if (n == 16) std::memcpy(p, &x, 64); else std::memcpy(p, &x, 4 * n);
+    if (n == L) std::memcpy(p, &x, 4 * L); else std::memcpy(p, &x, 4 * n);
   }
 }
 template <bool BF16> constexpr int64_t esize() { return BF16 ? 2 : 4; }
 
-// Tree reductions across the 16 lanes; the result in every lane.
-inline v16 swap(v16 x, int k) {
-  i16v idx = i16v{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} ^ k;
-  return __builtin_shuffle(x, idx);
+// Tree reductions across the L lanes; the result in every lane.
+inline vf swap(vf x, int k) {
+  return __builtin_shuffle(x, iota() ^ k);
 }
-inline v16 hmax(v16 x) {
-  x = vmax(x, swap(x, 8));
+inline vf hmax(vf x) {
+  if constexpr (L == 16) x = vmax(x, swap(x, 8));
   x = vmax(x, swap(x, 4));
   x = vmax(x, swap(x, 2));
   return vmax(x, swap(x, 1));
 }
-inline v16 hsum(v16 x) {
-  x += swap(x, 8);
+inline vf hsum(vf x) {
+  if constexpr (L == 16) x += swap(x, 8);
   x += swap(x, 4);
   x += swap(x, 2);
   return x + swap(x, 1);
@@ -97,34 +112,34 @@ inline v16 hsum(v16 x) {
 
 // exp(x) for lanes x <= 0: Cephes expf (Cody-Waite reduction, degree-6 polynomial, about
 // 1 ulp). Lanes below -87.3 (-104 where AVX-512 scales by 2^n), -inf included, give 0.
-inline v16 exp_neg(v16 x) {
+inline vf exp_neg(vf x) {
 #ifdef __AVX512F__
   // vscalefps multiplies by 2^n, underflowing to 0 itself, and vrndscaleps rounds n: six
   // fewer instructions than the portable version below. Lanes below -104 (-inf included)
   // round to 0; between -104 and -87.3 this gives exp's subnormal values.
-  v16 xc = vmax(x, splat(-104.0f));
-  v16 fn = (v16)_mm512_roundscale_ps((__m512)(xc * 1.44269504088896341f), _MM_FROUND_TO_NEAREST_INT);
+  vf xc = vmax(x, splat(-104.0f));
+  vf fn = (vf)_mm512_roundscale_ps((__m512)(xc * 1.44269504088896341f), _MM_FROUND_TO_NEAREST_INT);
 #else
-  i16v under = x < -87.3f;
-  v16 xc = vmax(x, splat(-87.3f));
-  v16 fn = __builtin_convertvector(__builtin_convertvector(xc * 1.44269504088896341f - 0.5f, i16v), v16);
+  vi under = x < -87.3f;
+  vf xc = vmax(x, splat(-87.3f));
+  vf fn = __builtin_convertvector(__builtin_convertvector(xc * 1.44269504088896341f - 0.5f, vi), vf);
   // convert truncates toward 0; xc*log2e - 0.5 <= 0, so this rounds to nearest (ties down)
 #endif
-  v16 r = xc - fn * 0.693359375f;
+  vf r = xc - fn * 0.693359375f;
   r = r - fn * -2.12194440e-4f;
-  v16 p = splat(1.9875691500e-4f);
+  vf p = splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  v16 y = p * r * r + r + 1.0f;
+  vf y = p * r * r + r + 1.0f;
 #ifdef __AVX512F__
-  return (v16)_mm512_scalef_ps((__m512)y, (__m512)fn);
+  return (vf)_mm512_scalef_ps((__m512)y, (__m512)fn);
 #else
-  i16v n = __builtin_convertvector(fn, i16v);
-  v16 pow2 = (v16)((n + 127) << 23);
-  return (v16)(under ? i16v{} : (i16v)(y * pow2));
+  vi n = __builtin_convertvector(fn, vi);
+  vf pow2 = (vf)((n + 127) << 23);
+  return (vf)(under ? vi{} : (vi)(y * pow2));
 #endif
 }
 
@@ -133,85 +148,85 @@ struct Dst { char* p; int64_t bs, ts; };
 
 // One head's rows t0 .. t0+T-1 (d features each) -> T rows of DV vectors, zero-padded past d.
 template <bool BF16, int DV>
-inline void load_rows(v16* dst, const Src& s, int64_t b, int64_t c, int64_t t0, int64_t T,
+inline void load_rows(vf* dst, const Src& s, int64_t b, int64_t c, int64_t t0, int64_t T,
                       int d) {
   for (int64_t t = 0; t < T; ++t) {
     const char* row = s.p + (b * s.bs + (t0 + t) * s.ts + c) * esize<BF16>();
     for (int cv = 0; cv < DV; ++cv)
-      dst[t * DV + cv] = load<BF16>(row + 16 * cv * esize<BF16>(), std::clamp(d - 16 * cv, 0, 16));
+      dst[t * DV + cv] = load<BF16>(row + L * cv * esize<BF16>(), std::clamp(d - L * cv, 0, L));
   }
 }
 // Rows (T, DV vectors) -> transposed: d rows of NB vectors, T padded with 0.
 template <int NB, int DV>
-inline void transpose(v16* dst, const v16* rows, int64_t T, int d) {
+inline void transpose(vf* dst, const vf* rows, int64_t T, int d) {
   float* out = reinterpret_cast<float*>(dst);
-  std::memset(static_cast<void*>(out), 0, sizeof(v16) * NB * d);
+  std::memset(static_cast<void*>(out), 0, sizeof(vf) * NB * d);
   const float* in = reinterpret_cast<const float*>(rows);
   for (int64_t t = 0; t < T; ++t)
-    for (int x = 0; x < d; ++x) out[x * NB * 16 + t] = in[t * DV * 16 + x];
+    for (int x = 0; x < d; ++x) out[x * NB * L + t] = in[t * DV * L + x];
 }
 template <bool BF16, int DV>
-inline void store_row(const Dst& o, int64_t b, int64_t c, int64_t t, const v16* x, int d) {
+inline void store_row(const Dst& o, int64_t b, int64_t c, int64_t t, const vf* x, int d) {
   char* row = o.p + (b * o.bs + t * o.ts + c) * esize<BF16>();
   for (int cv = 0; cv < DV; ++cv)
-    store<BF16>(row + 16 * cv * esize<BF16>(), rnd<BF16>(x[cv]), std::clamp(d - 16 * cv, 0, 16));
+    store<BF16>(row + L * cv * esize<BF16>(), rnd<BF16>(x[cv]), std::clamp(d - L * cv, 0, L));
 }
 
 
 // Rows i0 .. i0+R-1 of one head's forward; R rows at once so that their independent
 // arithmetic hides each other's latencies and they share the loads of K and V.
 template <bool BF16, int NB, int DV, int R>
-inline void forward_rows(const Src& q, const Dst& out, char* weights, const v16* Kt,
-                         const v16* V, int64_t b, int64_t c, int64_t bh, int64_t i0, int64_t Tq,
+inline void forward_rows(const Src& q, const Dst& out, char* weights, const vf* Kt,
+                         const vf* V, int64_t b, int64_t c, int64_t bh, int64_t i0, int64_t Tq,
                          int64_t Tk, int d, float scale, bool causal) {
-  alignas(64) v16 qi[R][DV];
+  alignas(64) vf qi[R][DV];
   load_rows<BF16, DV>(qi[0], q, b, c, i0, R, d);
-  v16 s[R][NB] = {};
+  vf s[R][NB] = {};
   for (int x = 0; x < d; ++x)
     for (int r = 0; r < R; ++r) {
-      v16 qx = splat(reinterpret_cast<const float*>(qi[r])[x]);
+      vf qx = splat(reinterpret_cast<const float*>(qi[r])[x]);
       for (int jb = 0; jb < NB; ++jb) s[r][jb] += qx * Kt[x * NB + jb];
     }
-  alignas(64) float P[R][NB * 16];
+  alignas(64) float P[R][NB * L];
   int64_t n[R];
   for (int r = 0; r < R; ++r) {
     n[r] = causal ? std::min(Tk, i0 + r + 1) : Tk;  // keys j >= n get weight 0
-    v16 m = splat(-INFINITY);
+    vf m = splat(-INFINITY);
     for (int jb = 0; jb < NB; ++jb) {
-      i16v lane = i16v{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + jb * 16;
-      v16 sj = rnd<BF16>(s[r][jb] * scale);
-      s[r][jb] = (v16)(lane < int32_t(n[r]) ? (i16v)sj : (i16v)splat(-INFINITY));
+      vi lane = iota() + jb * L;
+      vf sj = rnd<BF16>(s[r][jb] * scale);
+      s[r][jb] = (vf)(lane < int32_t(n[r]) ? (vi)sj : (vi)splat(-INFINITY));
       m = vmax(m, s[r][jb]);
     }
     m = hmax(m);
-    v16 sum = {};
+    vf sum = {};
     for (int jb = 0; jb < NB; ++jb) {
       s[r][jb] = exp_neg(s[r][jb] - m);
       sum += s[r][jb];
     }
-    v16 inv = 1.0f / hsum(sum);
-    char* wrow = weights + (bh * Tq + i0 + r) * NB * 16 * esize<BF16>();
+    vf inv = 1.0f / hsum(sum);
+    char* wrow = weights + (bh * Tq + i0 + r) * NB * L * esize<BF16>();
     for (int jb = 0; jb < NB; ++jb) {
-      v16 pj = rnd<BF16>(s[r][jb] * inv);
-      reinterpret_cast<v16*>(P[r])[jb] = pj;
-      store<BF16>(wrow + jb * 16 * esize<BF16>(), pj, 16);
+      vf pj = rnd<BF16>(s[r][jb] * inv);
+      reinterpret_cast<vf*>(P[r])[jb] = pj;
+      store<BF16>(wrow + jb * L * esize<BF16>(), pj, L);
     }
   }
   int64_t nmax = n[R - 1];  // the weights past n[r] are 0
   // S interleaved sums over the keys, so that at least 8 chains of FMAs are in flight
   // (FMA latency 4 cycles, 2 per cycle); R * DV alone can be as few as 4.
   constexpr int S = R * DV >= 8 ? 1 : 2;
-  v16 o[S][R][DV] = {};
+  vf o[S][R][DV] = {};
   int64_t j = 0;
   for (; j + S <= nmax; j += S)
     for (int u = 0; u < S; ++u)
       for (int cv = 0; cv < DV; ++cv) {
-        v16 vj = V[(j + u) * DV + cv];
+        vf vj = V[(j + u) * DV + cv];
         for (int r = 0; r < R; ++r) o[u][r][cv] += splat(P[r][j + u]) * vj;
       }
   for (; j < nmax; ++j)
     for (int cv = 0; cv < DV; ++cv) {
-      v16 vj = V[j * DV + cv];
+      vf vj = V[j * DV + cv];
       for (int r = 0; r < R; ++r) o[0][r][cv] += splat(P[r][j]) * vj;
     }
   for (int r = 0; r < R; ++r) {
@@ -221,15 +236,15 @@ inline void forward_rows(const Src& q, const Dst& out, char* weights, const v16*
   }
 }
 
-// weights: (B*H, Tq, NB*16) in the inputs' dtype, each row zero-padded past Tk.
+// weights: (B*H, Tq, NB*L) in the inputs' dtype, each row zero-padded past Tk.
 template <bool BF16, int NB, int DV>
 void forward(Src q, Src k, Src v, Dst out, char* weights, int64_t B, int64_t H, int64_t Tq,
              int64_t Tk, int d, float scale, bool causal, int threads) {
 #pragma omp parallel num_threads(threads)
   {
-    alignas(64) v16 rows[128 * DV];
-    alignas(64) v16 Kt[64 * NB];
-    alignas(64) v16 V[128 * DV];
+    alignas(64) vf rows[128 * DV];
+    alignas(64) vf Kt[64 * NB];
+    alignas(64) vf V[128 * DV];
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < B * H; ++bh) {
       int64_t b = bh / H, c = (bh % H) * d;
@@ -237,8 +252,8 @@ void forward(Src q, Src k, Src v, Dst out, char* weights, int64_t B, int64_t H, 
       transpose<NB, DV>(Kt, rows, Tk, d);
       load_rows<BF16, DV>(V, v, b, c, 0, Tk, d);
       int64_t i = 0;
-      for (; i + 4 <= Tq; i += 4)
-        forward_rows<BF16, NB, DV, 4>(q, out, weights, Kt, V, b, c, bh, i, Tq, Tk, d, scale, causal);
+      for (; i + R_ROWS <= Tq; i += R_ROWS)
+        forward_rows<BF16, NB, DV, R_ROWS>(q, out, weights, Kt, V, b, c, bh, i, Tq, Tk, d, scale, causal);
       for (; i < Tq; ++i)
         forward_rows<BF16, NB, DV, 1>(q, out, weights, Kt, V, b, c, bh, i, Tq, Tk, d, scale, causal);
     }
@@ -246,43 +261,43 @@ void forward(Src q, Src k, Src v, Dst out, char* weights, int64_t B, int64_t H, 
 }
 
 template <bool BF16, int NB, int DV, int R>
-inline void backward_rows(const Src& go, const Dst& gq, const char* weights, const v16* Q,
-                          const v16* K, const v16* Vt, v16* dK, v16* dV, int64_t b, int64_t c,
+inline void backward_rows(const Src& go, const Dst& gq, const char* weights, const vf* Q,
+                          const vf* K, const vf* Vt, vf* dK, vf* dV, int64_t b, int64_t c,
                           int64_t bh, int64_t i0, int64_t Tq, int64_t Tk, int d, float scale) {
-  alignas(64) float P[R][NB * 16], dS[R][NB * 16];
-  alignas(64) v16 doi[R][DV];
+  alignas(64) float P[R][NB * L], dS[R][NB * L];
+  alignas(64) vf doi[R][DV];
   load_rows<BF16, DV>(doi[0], go, b, c, i0, R, d);
   for (int r = 0; r < R; ++r) {
-    const char* wrow = weights + (bh * Tq + i0 + r) * NB * 16 * esize<BF16>();
+    const char* wrow = weights + (bh * Tq + i0 + r) * NB * L * esize<BF16>();
     for (int jb = 0; jb < NB; ++jb)
-      reinterpret_cast<v16*>(P[r])[jb] = load<BF16>(wrow + jb * 16 * esize<BF16>(), 16);
+      reinterpret_cast<vf*>(P[r])[jb] = load<BF16>(wrow + jb * L * esize<BF16>(), L);
   }
   // dP[i, :] = dO[i] V^T
-  v16 dp[R][NB] = {};
+  vf dp[R][NB] = {};
   for (int x = 0; x < d; ++x)
     for (int r = 0; r < R; ++r) {
-      v16 ox = splat(reinterpret_cast<const float*>(doi[r])[x]);
+      vf ox = splat(reinterpret_cast<const float*>(doi[r])[x]);
       for (int jb = 0; jb < NB; ++jb) dp[r][jb] += ox * Vt[x * NB + jb];
     }
   // dS = P * (dP - rowsum(dP * P))
   for (int r = 0; r < R; ++r) {
-    const v16* pv = reinterpret_cast<const v16*>(P[r]);
-    v16 dot = {};
+    const vf* pv = reinterpret_cast<const vf*>(P[r]);
+    vf dot = {};
     for (int jb = 0; jb < NB; ++jb) {
       dp[r][jb] = rnd<BF16>(dp[r][jb]);
       dot += dp[r][jb] * pv[jb];
     }
     dot = hsum(dot);
     for (int jb = 0; jb < NB; ++jb)
-      reinterpret_cast<v16*>(dS[r])[jb] = rnd<BF16>(pv[jb] * (dp[r][jb] - dot));
+      reinterpret_cast<vf*>(dS[r])[jb] = rnd<BF16>(pv[jb] * (dp[r][jb] - dot));
   }
   // dV[j] += P[i, j] dO[i];  dQ[i] = scale dS[i, :] K;  dK[j] += dS[i, j] Q[i]
-  v16 dq[R][DV] = {};
+  vf dq[R][DV] = {};
   for (int64_t j = 0; j < Tk; ++j)
     for (int cv = 0; cv < DV; ++cv) {
-      v16 kj = K[j * DV + cv], dv = dV[j * DV + cv], dk = dK[j * DV + cv];
+      vf kj = K[j * DV + cv], dv = dV[j * DV + cv], dk = dK[j * DV + cv];
       for (int r = 0; r < R; ++r) {
-        v16 sj = splat(dS[r][j]);
+        vf sj = splat(dS[r][j]);
         dv += splat(P[r][j]) * doi[r][cv];
         dq[r][cv] += sj * kj;
         dk += sj * Q[(i0 + r) * DV + cv];
@@ -301,7 +316,7 @@ void backward(Src q, Src k, Src v, const char* weights, Src go, Dst gq, Dst gk, 
               int64_t B, int64_t H, int64_t Tq, int64_t Tk, int d, float scale, int threads) {
 #pragma omp parallel num_threads(threads)
   {
-    alignas(64) v16 Q[128 * DV], K[128 * DV], rows[128 * DV], Vt[64 * NB], dK[128 * DV],
+    alignas(64) vf Q[128 * DV], K[128 * DV], rows[128 * DV], Vt[64 * NB], dK[128 * DV],
         dV[128 * DV];
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < B * H; ++bh) {
@@ -310,11 +325,11 @@ void backward(Src q, Src k, Src v, const char* weights, Src go, Dst gq, Dst gk, 
       load_rows<BF16, DV>(K, k, b, c, 0, Tk, d);
       load_rows<BF16, DV>(rows, v, b, c, 0, Tk, d);
       transpose<NB, DV>(Vt, rows, Tk, d);
-      std::memset(static_cast<void*>(dK), 0, sizeof(v16) * Tk * DV);
-      std::memset(static_cast<void*>(dV), 0, sizeof(v16) * Tk * DV);
+      std::memset(static_cast<void*>(dK), 0, sizeof(vf) * Tk * DV);
+      std::memset(static_cast<void*>(dV), 0, sizeof(vf) * Tk * DV);
       int64_t i = 0;
-      for (; i + 4 <= Tq; i += 4)
-        backward_rows<BF16, NB, DV, 4>(go, gq, weights, Q, K, Vt, dK, dV, b, c, bh, i, Tq, Tk, d, scale);
+      for (; i + R_ROWS <= Tq; i += R_ROWS)
+        backward_rows<BF16, NB, DV, R_ROWS>(go, gq, weights, Q, K, Vt, dK, dV, b, c, bh, i, Tq, Tk, d, scale);
       for (; i < Tq; ++i)
         backward_rows<BF16, NB, DV, 1>(go, gq, weights, Q, K, Vt, dK, dV, b, c, bh, i, Tq, Tk, d, scale);
       for (int64_t j = 0; j < Tk; ++j) {
@@ -353,7 +368,7 @@ inline __m512i interleave(const bf16* a, const bf16* b) {
   __m512i hi = _mm512_cvtepu16_epi32(_mm256_load_si256((const __m256i*)b));
   return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
 }
-inline __m256i to_bf16(v16 x) { return (__m256i)_mm512_cvtneps_pbh((__m512)x); }
+inline __m256i to_bf16(vf x) { return (__m256i)_mm512_cvtneps_pbh((__m512)x); }
 
 // 16 bfloat16 of row t (features 16 cv ..), zero past d and for rows t >= T.
 inline __m256i load16(const Src& s, int64_t b, int64_t c, int64_t t, int64_t T, int d, int cv) {
@@ -414,33 +429,33 @@ inline void pairs_by_key(__m512i (*dst)[DV], const Src& s, int64_t b, int64_t c,
 // acc[r][jb] += rows[r] . X's column block jb, over M feature pairs: Q K^T and dO V^T, with
 // X from pairs_by_feature (keys in lanes).
 template <int R, int NB, int M, int DV>
-inline void times_feature_pairs(v16 (&acc)[R][NB], const uint32_t (*X)[NB * 16],
+inline void times_feature_pairs(vf (&acc)[R][NB], const uint32_t (*X)[NB * 16],
                                 const bf16 (&rows)[R][16 * DV]) {
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) {
       uint32_t pair = pair_at(rows[r], m);
       for (int jb = 0; jb < NB; ++jb)
-        acc[r][jb] = (v16)dot2((__m512)acc[r][jb], &X[m][jb * 16], pair);
+        acc[r][jb] = (vf)dot2((__m512)acc[r][jb], &X[m][jb * 16], pair);
     }
 }
 // out[r] = sum over the first `pairs` key pairs m of rows[r]'s pair m times X[m]: P V and
 // dS K, with X from pairs_by_key (features in lanes). S interleaved sums over the keys keep
 // at least 8 chains of dependent vdpbf16ps in flight; R * DV alone can be as few as 4.
 template <int R, int DV, int W>
-inline void times_key_pairs(v16 (&out)[R][DV], const __m512i (*X)[DV],
+inline void times_key_pairs(vf (&out)[R][DV], const __m512i (*X)[DV],
                             const bf16 (&rows)[R][W], int64_t pairs) {
   constexpr int S = R * DV >= 8 ? 1 : 2;
-  v16 acc[S][R][DV] = {};
+  vf acc[S][R][DV] = {};
   int64_t m = 0;
   for (; m + S <= pairs; m += S)
     for (int u = 0; u < S; ++u)
       for (int cv = 0; cv < DV; ++cv)
         for (int r = 0; r < R; ++r)
-          acc[u][r][cv] = (v16)dot2((__m512)acc[u][r][cv], X[m + u][cv], pair_at(rows[r], m + u));
+          acc[u][r][cv] = (vf)dot2((__m512)acc[u][r][cv], X[m + u][cv], pair_at(rows[r], m + u));
   for (; m < pairs; ++m)
     for (int cv = 0; cv < DV; ++cv)
       for (int r = 0; r < R; ++r)
-        acc[0][r][cv] = (v16)dot2((__m512)acc[0][r][cv], X[m][cv], pair_at(rows[r], m));
+        acc[0][r][cv] = (vf)dot2((__m512)acc[0][r][cv], X[m][cv], pair_at(rows[r], m));
   for (int r = 0; r < R; ++r)
     for (int cv = 0; cv < DV; ++cv) {
       out[r][cv] = acc[0][r][cv];
@@ -465,20 +480,20 @@ void forward_dp(Src q, Src k, Src v, Dst out, char* weights, int64_t B, int64_t 
       for (int64_t i0 = 0; i0 < Tq; i0 += R) {
         // Rows past Tq are zero queries: computed, never stored.
         for (int r = 0; r < R; ++r) row_bf16<DV>(Qr[r], q, b, c, i0 + r, Tq, d);
-        v16 s[R][NB] = {};
+        vf s[R][NB] = {};
         times_feature_pairs<R, NB, M, DV>(s, Kp, Qr);
         // The softmax stage by stage for the R rows together, so that the rows' independent
         // chains (reductions, exp, the divide) overlap.
         int64_t n[R], nmax = 0;
-        v16 mx[R], sum[R] = {};
+        vf mx[R], sum[R] = {};
         for (int r = 0; r < R; ++r) {
           n[r] = causal ? std::min(Tk, i0 + r + 1) : Tk;  // keys j >= n get weight 0
           nmax = std::max(nmax, n[r]);
           mx[r] = splat(-INFINITY);
           for (int jb = 0; jb < NB; ++jb) {
-            i16v lane = i16v{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + jb * 16;
-            v16 sj = round_bf16(s[r][jb] * scale);
-            s[r][jb] = (v16)(lane < int32_t(n[r]) ? (i16v)sj : (i16v)splat(-INFINITY));
+            vi lane = vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + jb * 16;
+            vf sj = round_bf16(s[r][jb] * scale);
+            s[r][jb] = (vf)(lane < int32_t(n[r]) ? (vi)sj : (vi)splat(-INFINITY));
             mx[r] = vmax(mx[r], s[r][jb]);
           }
         }
@@ -495,7 +510,7 @@ void forward_dp(Src q, Src k, Src v, Dst out, char* weights, int64_t B, int64_t 
           if (i0 + r < Tq)
             std::memcpy(weights + (bh * Tq + i0 + r) * W * 2, P[r], W * 2);
         }
-        v16 o[R][DV];
+        vf o[R][DV];
         times_key_pairs<R, DV, W>(o, Vp, P, (nmax + 1) / 2);  // P is 0 past nmax, V's row Tk 0
         for (int r = 0; r < R && i0 + r < Tq; ++r) store_row<true, DV>(out, b, c, i0 + r, o[r], d);
       }
@@ -511,7 +526,7 @@ void backward_dp(Src q, Src k, Src v, const char* weights, Src go, Dst gq, Dst g
   {
     alignas(64) uint32_t Vp[M][W];
     alignas(64) __m512i Kp[W / 2][DV];
-    alignas(64) v16 dK[W][DV], dV[W][DV];
+    alignas(64) vf dK[W][DV], dV[W][DV];
     alignas(64) bf16 Qr[R][16 * DV], dO[R][16 * DV], P[R][W], dS[R][W];
     alignas(64) uint32_t Pt[R / 2][W], dSt[R / 2][W];
 #pragma omp for schedule(static)
@@ -532,11 +547,11 @@ void backward_dp(Src q, Src k, Src v, const char* weights, Src go, Dst gq, Dst g
             std::memset(P[r], 0, W * 2);
         }
         // dP[i, :] = dO[i] V^T
-        v16 dp[R][NB] = {};
+        vf dp[R][NB] = {};
         times_feature_pairs<R, NB, M, DV>(dp, Vp, dO);
         // dS = P * (dP - rowsum(dP * P))
         for (int r = 0; r < R; ++r) {
-          v16 pv[NB], dot = {};
+          vf pv[NB], dot = {};
           for (int jb = 0; jb < NB; ++jb) {
             pv[jb] = load<true>(&P[r][jb * 16], 16);
             dp[r][jb] = round_bf16(dp[r][jb]);
@@ -548,7 +563,7 @@ void backward_dp(Src q, Src k, Src v, const char* weights, Src go, Dst gq, Dst g
                                to_bf16(pv[jb] * (dp[r][jb] - dot)));
         }
         // dQ[i] = scale dS[i, :] K
-        v16 dq[R][DV];
+        vf dq[R][DV];
         times_key_pairs<R, DV, W>(dq, Kp, dS, (Tk + 1) / 2);
         for (int r = 0; r < R && i0 + r < Tq; ++r) {
           for (int cv = 0; cv < DV; ++cv) dq[r][cv] *= scale;
@@ -574,8 +589,8 @@ void backward_dp(Src q, Src k, Src v, const char* weights, Src go, Dst gq, Dst g
               dv = dot2(dv, dOp[h][cv], Pt[h][j]);
               dk = dot2(dk, Qp[h][cv], dSt[h][j]);
             }
-            dV[j][cv] = (v16)dv;
-            dK[j][cv] = (v16)dk;
+            dV[j][cv] = (vf)dv;
+            dK[j][cv] = (vf)dk;
           }
       }
       for (int64_t j = 0; j < Tk; ++j) {
@@ -590,7 +605,7 @@ void backward_dp(Src q, Src k, Src v, const char* weights, Src go, Dst gq, Dst g
 
 }  // namespace
 
-// Built once per (NB, DV): NB 16-lane blocks of keys (Tk <= 16 NB), DV of head features.
+// Built once per (NB, DV): NB L-lane blocks of keys (Tk <= L NB), DV of head features.
 #ifndef ATTN_NB
 #define ATTN_NB 4
 #endif
@@ -599,6 +614,7 @@ void backward_dp(Src q, Src k, Src v, const char* weights, Src go, Dst gq, Dst g
 #endif
 
 extern "C" {
+int attn_lanes() { return L; }  // the build's vector width, in floats
 int attn_blocks() { return ATTN_NB * 100 + ATTN_DV; }
 void attn_forward(int bf16, const void* q, int64_t qbs, int64_t qts, const void* k, int64_t kbs,
                   int64_t kts, const void* v, int64_t vbs, int64_t vts, void* out, int64_t obs,

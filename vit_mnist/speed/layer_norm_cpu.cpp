@@ -2,7 +2,7 @@
 //   s = x + branch,  y = (s - mean(s)) / sqrt(var(s) + eps) * gamma + beta
 // (Ba et al. 2016, eq. 4, over the last dimension; var is the biased variance, as in
 // torch.nn.LayerNorm), with y written as float32 or, under bf16 autocast, already rounded
-// to bfloat16 for the Linear that reads it. Built and loaded by vit_mnist/models/native.py.
+// to bfloat16 for the Linear that reads it. Built and loaded by vit_mnist/speed/native.py.
 //
 // Why a kernel: at ViT-on-MNIST sizes (rows of 64 floats) PyTorch runs this as a cast of
 // the branch to float32, the add, the LayerNorm and a cast of its output to bfloat16, each

@@ -6,11 +6,12 @@
 - Residual add + LayerNorm (:func:`add_norm`): one pass each way where PyTorch takes four
   (cast, add, LayerNorm, cast).
 
-They are written for AVX-512 (F, BW, VL; ``vdpbf16ps`` where the CPU has AVX512-BF16):
-:mod:`vit_mnist.speed.paths` offers the ``native`` paths only on such CPUs, and
-``speed.path=auto`` takes one only where it measures fastest. On a 2-core Zen 5 they beat
-torch.compile of the same model in bf16 (docs/speed.md); on a Zen 3 (AVX2) the attention
-kernel was slower than PyTorch's operations, hence the restriction.
+Both are built for the instruction-set class PyTorch's own kernels run at here
+(:func:`build_target`): the attention kernel for AVX-512 (16-float vectors; ``vdpbf16ps``
+where the CPU has AVX512-BF16) or for AVX2 (8-float vectors), the LayerNorm kernel for
+AVX-512 only (elsewhere PyTorch's add and LayerNorm run). :mod:`vit_mnist.speed.paths`
+offers the ``native`` paths on those classes, and ``speed.path=auto`` takes one only where
+it measures fastest (docs/speed.md has the figures of both classes).
 
 ``torch.compile`` sees the attention kernel as two custom operators,
 ``vit_mnist::attention_forward`` and ``vit_mnist::attention_backward``, and fuses the
@@ -18,7 +19,8 @@ operations around them (the ``compile_native`` path). The add and LayerNorm kern
 out of compiled graphs (inductor fuses those operations itself).
 
 Each kernel is compiled on first use with the system's C++ compiler (``$CXX``, else ``c++``,
-``g++`` or ``clang++``) for this CPU (``-march=native``) and OpenMP, then cached under
+``g++`` or ``clang++``) for this CPU (``-march=native``, without AVX-512 where PyTorch runs
+at AVX2, as under ``ATEN_CPU_CAPABILITY=avx2``) and OpenMP, then cached under
 ``$VIT_MNIST_CACHE/kernels`` (default ``~/.cache/vit_mnist/kernels``), one library per
 shape class, about 1 s each. Where a kernel cannot take an input (a sequence longer than
 128 tokens, a head wider than 64, float16) the path runs that step on PyTorch operations,
@@ -42,12 +44,16 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from vit_mnist.speed import cache_root
-from vit_mnist.speed.hardware import cpuinfo_flags
+from vit_mnist.speed.hardware import cpuinfo_flags, isa_class
 
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 MAX_TOKENS = 128  # queries and keys: the kernel's per-thread buffers hold 128 rows
 MAX_HEAD_DIM = 64
 FLAGS = ("-std=c++17", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+# Per build target (build_target()): the flags added to FLAGS, and the attention kernel's
+# vector width in floats.
+TARGET_FLAGS = {"AVX-512": (), "AVX2": ("-mno-avx512f",)}
+LANES = {"AVX-512": 16, "AVX2": 8}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -64,6 +70,22 @@ def _cpu_identity() -> str:
     return " ".join(sorted(flags)) if flags else f"{platform.machine()} {platform.processor()}"
 
 
+def build_target() -> str | None:
+    """What the kernels are built for here: ``"AVX-512"`` where PyTorch's own CPU kernels run
+    AVX-512, ``"AVX2"`` where they run AVX2 (an AVX2 CPU, or an AVX-512 one under
+    ``ATEN_CPU_CAPABILITY=avx2``), else None (no kernel: ARM, or an older x86)."""
+    isa = isa_class()
+    if isa in ("AVX-512", "AVX512-BF16", "AMX"):
+        return "AVX-512"
+    return "AVX2" if isa == "AVX2" else None
+
+
+def lanes() -> int:
+    """The attention kernel's vector width in floats for :func:`build_target`: 16 or 8. Its
+    saved weights' rows are padded to a multiple of it."""
+    return LANES.get(build_target(), 8)
+
+
 def cache_dir() -> Path:
     """Where built kernels are kept: ``cache_root()/kernels`` (``$VIT_MNIST_CACHE``, default
     ``~/.cache/vit_mnist``)."""
@@ -71,8 +93,9 @@ def cache_dir() -> Path:
 
 
 def _build(source: Path, defines: tuple[str, ...], stem: str) -> Path:
-    """Compile ``source`` with ``defines`` into ``cache_dir()/<stem>_<hash>.so``; returns
-    the library's path. Raises RuntimeError (why) on failure."""
+    """Compile ``source`` with ``FLAGS`` and ``defines`` (further flags) into
+    ``cache_dir()/<stem>_<hash>.so``; returns the library's path. Raises RuntimeError (why)
+    on failure."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
@@ -115,16 +138,22 @@ def _load(source: Path, defines: tuple[str, ...], stem: str, fallback: str) -> c
         return None
 
 
-@functools.cache
 def _library(blocks: int, vectors: int) -> ctypes.CDLL | None:
+    return _target_library(blocks, vectors, build_target())
+
+
+@functools.cache
+def _target_library(blocks: int, vectors: int, target: str | None) -> ctypes.CDLL | None:
+    if target is None:
+        return None
     lib = _load(
         SOURCE,
-        (f"-DATTN_NB={blocks}", f"-DATTN_DV={vectors}"),
+        (*TARGET_FLAGS[target], f"-DATTN_NB={blocks}", f"-DATTN_DV={vectors}"),
         f"attention_cpu_{blocks}x{vectors}",
         "the fused CPU attention kernel is not available; the explicit attention path runs "
         "on PyTorch operations instead (same numbers, slower)",
     )
-    if lib is None:
+    if lib is None or lib.attn_lanes() != LANES[target]:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.attn_forward.argtypes = [ctypes.c_int, *[ptr, i64, i64] * 4, ptr, *[i64] * 5]
@@ -156,8 +185,10 @@ def _ready(dtype: torch.dtype, t_q: int, t_k: int, head_dim: int) -> bool:
 
 
 def _shape_class(t_k: int, head_dim: int) -> tuple[int, int]:
-    vectors = -(-head_dim // 16)
-    return -(-t_k // 16), 4 if vectors == 3 else vectors
+    """(key blocks, vectors per head row) of :func:`lanes` floats each."""
+    width = lanes()
+    vectors = -(-head_dim // width)
+    return -(-t_k // width), 4 if vectors == 3 else vectors
 
 
 def usable(q_src: torch.Tensor, kv_src: torch.Tensor | None, num_heads: int) -> bool:
@@ -220,7 +251,8 @@ def attention_forward(
     scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's forward: (output (B, T_q, D), weights (B*h, T_q, T_k rounded up to 16)).
+    """The kernel's forward: (output (B, T_q, D), weights (B*h, T_q, T_k rounded up to a
+    multiple of :func:`lanes`)).
 
     Inputs as :class:`FusedCPUAttention`. Raises RuntimeError where the kernel cannot take
     them (check :func:`usable` first).
@@ -245,7 +277,8 @@ def attention_forward(
 def _empty_outputs(q_src, kv, dim, num_heads):
     b, t_q = q_src.shape[:2]
     out = q_src.new_empty(b, t_q, dim)
-    weights = q_src.new_empty(b * num_heads, t_q, -(-kv.shape[1] // 16) * 16)
+    width = lanes()
+    weights = q_src.new_empty(b * num_heads, t_q, -(-kv.shape[1] // width) * width)
     return out, weights
 
 
@@ -307,7 +340,8 @@ class FusedCPUAttention(torch.autograd.Function):
     true. Query i is token i, for the causal mask.
 
     Output: (B, T_q, D), heads concatenated (``Concat(head_1..head_h)``, ready for W^O).
-    Saves the weights (B*h, T_q, T_k rounded up to 16) in the inputs' dtype for backward.
+    Saves the weights (B*h, T_q, T_k rounded up to a multiple of :func:`lanes`) in the
+    inputs' dtype for backward.
     """
 
     @staticmethod
@@ -335,10 +369,12 @@ MAX_NORM_DIM = 256  # a row of up to 16 vectors stays in registers
 
 
 @functools.cache
-def _norm_library(vectors: int) -> ctypes.CDLL | None:
+def _norm_library(vectors: int, target: str | None) -> ctypes.CDLL | None:
+    if target != "AVX-512":
+        return None  # written with AVX-512 intrinsics only
     lib = _load(
         NORM_SOURCE,
-        (f"-DLN_NV={vectors}",),
+        (*TARGET_FLAGS[target], f"-DLN_NV={vectors}"),
         f"layer_norm_cpu_{vectors}",
         "the fused CPU residual-add-and-LayerNorm kernel is not available; PyTorch's add "
         "and LayerNorm run instead (the same numbers to float32 rounding, slower)",
@@ -354,7 +390,7 @@ def _norm_library(vectors: int) -> ctypes.CDLL | None:
 
 def _norm_kernel(dim: int) -> ctypes.CDLL | None:
     """The library for rows of ``dim`` floats (built for that many 16-float vectors)."""
-    return _norm_library(-(-dim // 16))
+    return _norm_library(-(-dim // 16), build_target())
 
 
 def _norm_ready(dim: int) -> bool:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from vit_mnist.models.vit import VisionTransformer
+from vit_mnist.speed import native
 from vit_mnist.speed.forward import (
     handwritten_backward_core,
     sdpa_core,
@@ -162,12 +163,13 @@ def _compile_unavailable(device: torch.device) -> str | None:
 def _native_unavailable(device: torch.device) -> str | None:
     if device.type != "cpu":
         return "CPU only"
-    if isa_class() not in ("AVX-512", "AVX512-BF16", "AMX"):
-        # The kernels are written for AVX-512 (F, BW, VL); on AVX2 CPUs they ran slower than
-        # PyTorch's own operations (docs/speed.md), so they are not offered there.
-        return f"needs AVX-512, this CPU runs PyTorch at {isa_class()}"
-    if not {"avx512f", "avx512bw", "avx512vl"} <= cpuinfo_flags():
+    target = native.build_target()
+    if target is None:
+        return f"needs AVX2 or AVX-512, this CPU runs PyTorch at {isa_class()}"
+    if target == "AVX-512" and not {"avx512f", "avx512bw", "avx512vl"} <= cpuinfo_flags():
         return "needs AVX-512 F, BW and VL"
+    if target == "AVX2" and "avx2" not in cpuinfo_flags():
+        return "needs AVX2"
     if not torch.backends.openmp.is_available():
         return "this torch build has no OpenMP"
     if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
@@ -206,14 +208,14 @@ PATHS: dict[str, TrainingPath] = {
         ),
         TrainingPath(
             "native",
-            "C++ kernels for attention and residual add + LayerNorm (AVX-512 CPUs only)",
+            "C++ kernels for attention (AVX2, AVX-512) and residual add + LayerNorm (AVX-512)",
             lambda net: functools.partial(native_vit_forward, net),
             _native_unavailable,
             unsupported=_needs_full_width_heads,
         ),
         TrainingPath(
             "compile_native",
-            "torch.compile around the C++ attention kernel (AVX-512 CPUs only)",
+            "torch.compile around the C++ attention kernel (AVX2, AVX-512)",
             _compiled(native_vit_forward),
             _compile_native_unavailable,
             compiles=True,
