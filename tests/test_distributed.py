@@ -160,6 +160,10 @@ def test_launcher_writes_one_run_dir_per_job(tmp_path, launcher, plugin):
         *[o for o in TINY if not o.startswith("model.num_heads")],
         "trainer=cpu",
         "trainer.max_epochs=1",
+        # A fixed path: auto's timing (seconds per job) has tests of its own.
+        "speed.path=handwritten",
+        "trainer.precision=32-true",
+        "speed.allocator=system",
         f"hydra.sweep.dir={sweep_dir}",
     )
     assert result.returncode == 0, result.stderr[-4000:]
