@@ -168,8 +168,6 @@ def _native_unavailable(device: torch.device) -> str | None:
         return f"needs AVX2 or AVX-512, this CPU runs PyTorch at {isa_class()}"
     if target == "AVX-512" and not {"avx512f", "avx512bw", "avx512vl"} <= cpuinfo_flags():
         return "needs AVX-512 F, BW and VL"
-    if target == "AVX2" and "avx2" not in cpuinfo_flags():
-        return "needs AVX2"
     if not torch.backends.openmp.is_available():
         return "this torch build has no OpenMP"
     if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
