@@ -8,6 +8,8 @@ same module's parameters. The module itself, ``attn(x)``, is checked too in floa
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -44,6 +46,24 @@ if TARGETS == ["AVX-512"] and "avx2" in _FLAGS:
     TARGETS.append("AVX2")
 
 
+FLOAT32_SHAPES = [(50, 64, 4), (17, 16, 2), (65, 40, 2), (50, 64, 2), (1, 32, 2), (128, 128, 2)]
+BF16_SHAPES = [(50, 64, 4), (17, 16, 2), (65, 40, 2), (33, 96, 3), (50, 10, 2)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_built_two_at_a_time():
+    """Every library this module's tests load, built before them two at a time: a build
+    is one compiler process on one core, and there are about 1.5 s of them per shape class
+    and target."""
+    builds = {
+        (*native._shape_class(tokens, dim // heads, native.LANES[t]), t)
+        for t in TARGETS
+        for tokens, dim, heads in FLOAT32_SHAPES + BF16_SHAPES
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(lambda build: native._target_library(*build), builds))
+
+
 @pytest.fixture(params=TARGETS or [None])
 def target(request, monkeypatch) -> str:
     """The kernel's build target for this test (see TARGETS)."""
@@ -74,10 +94,7 @@ def seeded_attention(tokens, embed_dim, num_heads, causal, batch):
 
 @needs_kernel
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize(
-    "tokens,embed_dim,num_heads",
-    [(50, 64, 4), (17, 16, 2), (65, 40, 2), (50, 64, 2), (1, 32, 2), (128, 128, 2)],
-)
+@pytest.mark.parametrize("tokens,embed_dim,num_heads", FLOAT32_SHAPES)
 def test_kernel_gives_the_explicit_paths_numbers_in_float32(
     tokens, embed_dim, num_heads, causal, target
 ):
@@ -95,9 +112,7 @@ def test_kernel_gives_the_explicit_paths_numbers_in_float32(
 
 @needs_kernel
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize(
-    "tokens,embed_dim,num_heads", [(50, 64, 4), (17, 16, 2), (65, 40, 2), (33, 96, 3), (50, 10, 2)]
-)
+@pytest.mark.parametrize("tokens,embed_dim,num_heads", BF16_SHAPES)
 def test_kernel_gives_the_explicit_paths_numbers_under_bf16_autocast(
     tokens, embed_dim, num_heads, causal, target
 ):

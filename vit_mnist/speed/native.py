@@ -184,9 +184,9 @@ def _ready(dtype: torch.dtype, t_q: int, t_k: int, head_dim: int) -> bool:
     )
 
 
-def _shape_class(t_k: int, head_dim: int) -> tuple[int, int]:
-    """(key blocks, vectors per head row) of :func:`lanes` floats each."""
-    width = lanes()
+def _shape_class(t_k: int, head_dim: int, width: int | None = None) -> tuple[int, int]:
+    """(key blocks, vectors per head row) of ``width`` floats each (default :func:`lanes`)."""
+    width = width or lanes()
     vectors = -(-head_dim // width)
     return -(-t_k // width), 4 if vectors == 3 else vectors
 
