@@ -9,7 +9,8 @@
 Both are built for the instruction-set class PyTorch's own kernels run at here
 (:func:`build_target`): the attention kernel for AVX-512 (16-float vectors; ``vdpbf16ps``
 where the CPU has AVX512-BF16) or for AVX2 (8-float vectors), the LayerNorm kernel for
-AVX-512 only (elsewhere PyTorch's add and LayerNorm run). :mod:`vit_mnist.speed.paths`
+AVX-512 only (elsewhere PyTorch's add and LayerNorm run: an 8-float build of it made the
+AVX2 training step no faster, docs/speed.md). :mod:`vit_mnist.speed.paths`
 offers the ``native`` paths on those classes, and ``speed.path=auto`` takes one only where
 it measures fastest (docs/speed.md has the figures of both classes).
 
@@ -371,7 +372,7 @@ MAX_NORM_DIM = 256  # a row of up to 16 vectors stays in registers
 @functools.cache
 def _norm_library(vectors: int, target: str | None) -> ctypes.CDLL | None:
     if target != "AVX-512":
-        return None  # written with AVX-512 intrinsics only
+        return None  # AVX-512 intrinsics; at AVX2 a build of it did not pay (module docstring)
     lib = _load(
         NORM_SOURCE,
         (*TARGET_FLAGS[target], f"-DLN_NV={vectors}"),
