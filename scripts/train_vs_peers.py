@@ -1,6 +1,6 @@
 """`python train.py` against timm and vit-pytorch in a plain training loop, taking turns.
 
-    python scripts/train_vs_peers.py [--pairs 5] [--epochs 2] [--out docs/benchmarks.md]
+    python scripts/train_vs_peers.py [--pairs 5] [--epochs 2] [--peer-seconds S] [--out FILE]
         [-- train.py overrides ...]
 
 Each pair runs, in processes of their own and in alternating order:
@@ -12,13 +12,18 @@ Each pair runs, in processes of their own and in alternating order:
 2. the faster of timm and vit-pytorch in a plain loop (forward, cross-entropy, backward,
    fused AdamW; ``scripts/benchmark.py``'s loop, with ``malloc`` as it is), at the run's
    architecture, batch and precision (bf16 autocast where the run trained in bf16-mixed):
-   the median of ``--reps`` repetitions of ``--steps`` steps, the two peers interleaved.
+   repetitions of ``--steps`` steps, the two peers interleaved, at least ``--reps`` of them
+   and by default for as long as the pair's ``train.py`` run trained (its
+   ``train_time_s``); each peer's figure is its images over its seconds in them all, as
+   ``train_images_per_s`` is the run's.
 
 The ratio is taken pair by pair (images/s of the run over the faster peer), because one
 comparison between moments minutes apart measures the machine as much as the code: on a
 shared 2-core VM the same step can run at two speeds a third apart for minutes at a time,
-ours and the peers' alike (docs/speed.md). ``--out`` writes a section per CPU class to that
-Markdown file (replacing the same class's), as ``scripts/benchmark.py`` does.
+ours and the peers' alike (docs/speed.md). For the same reason the peers run as long as the
+run: a few seconds of them against a 20-epoch run compared the run's mix of fast and slow
+stretches with whichever stretch those seconds fell in. ``--out`` writes a section per CPU
+class to that Markdown file (replacing the same class's), as ``scripts/benchmark.py`` does.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import benchmark as bench
@@ -70,9 +76,12 @@ def peer_arch(metrics: dict) -> dict:
     }
 
 
-def time_peers(spec: dict, steps: int, reps: int, warmup: int) -> dict[str, float]:
-    """Median images/s of each peer over ``reps`` interleaved repetitions (``spec`` as
-    :func:`peer_arch` returns it), on the CPU."""
+def time_peers(
+    spec: dict, steps: int, reps: int, warmup: int, seconds: float = 0.0
+) -> dict[str, float]:
+    """Images/s of each peer (``spec`` as :func:`peer_arch` returns it) on the CPU, over
+    interleaved repetitions of ``steps`` steps: at least ``reps`` of them, and more until
+    ``seconds`` have passed. A peer's figure is its images over its seconds in them all."""
     bench.PATCH = spec["patch"]
     arch = {k: spec[k] for k in ("embed_dim", "depth", "num_heads", "mlp_dim")}
     device = torch.device("cpu")
@@ -83,14 +92,16 @@ def time_peers(spec: dict, steps: int, reps: int, warmup: int) -> dict[str, floa
     for loop in loops.values():
         for _ in range(warmup):
             loop.step()
-    speeds: dict[str, list[float]] = {name: [] for name in loops}
-    for rep in range(reps):
+    spent = dict.fromkeys(loops, 0.0)
+    start, rep = time.perf_counter(), 0
+    while rep < reps or time.perf_counter() - start < seconds:
         for name in list(loops)[:: 1 if rep % 2 == 0 else -1]:
-            speeds[name].append(loops[name].timed(steps))
-    return {name: statistics.median(v) for name, v in speeds.items()}
+            spent[name] += steps * spec["batch"] / loops[name].timed(steps)
+        rep += 1
+    return {name: rep * steps * spec["batch"] / s for name, s in spent.items()}
 
 
-def run_peers(spec: dict, args: argparse.Namespace) -> dict[str, float]:
+def run_peers(spec: dict, args: argparse.Namespace, seconds: float) -> dict[str, float]:
     """:func:`time_peers` in a process of its own (a fresh plain loop, as a user runs it)."""
     cmd = [
         sys.executable,
@@ -98,6 +109,7 @@ def run_peers(spec: dict, args: argparse.Namespace) -> dict[str, float]:
         "--peers-only",
         json.dumps(spec),
         *("--steps", str(args.steps), "--reps", str(args.reps), "--warmup", str(args.warmup)),
+        *("--peer-seconds", str(seconds)),
     ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
@@ -105,8 +117,15 @@ def run_peers(spec: dict, args: argparse.Namespace) -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def markdown_section(pairs: list[dict], command: str, overrides: list[str], epochs: int) -> str:
-    """The section for ``--out``: one row per pair, then the median ratio."""
+def markdown_section(
+    pairs: list[dict],
+    command: str,
+    overrides: list[str],
+    epochs: int,
+    peers_for: str = "for as long as the pair's run trained (its `train_time_s`)",
+) -> str:
+    """The section for ``--out``: one row per pair, then the median ratio. ``peers_for``
+    says how long the peers' loop ran."""
     spec = pairs[0]["spec"]
     run = " ".join(["python train.py", *overrides])
     precision = "bf16 autocast" if spec["bf16"] else "fp32"
@@ -121,9 +140,9 @@ def markdown_section(pairs: list[dict], command: str, overrides: list[str], epoc
         f"{spec['mlp_dim']}, batch {spec['batch']}; `train_images_per_s` from its "
         "`metrics.json` (Lightning, data and augmentation included, validation left out), "
         "and its `qkv` bias if configured (the default; the peers' have none). "
-        f"Peers: a plain loop in a process of its own, {precision}, `malloc` as it is, the "
-        "median of their interleaved repetitions. Each pair in turn, the order alternating; "
-        "ratio: the run over the faster peer of its pair.",
+        f"Peers: a plain loop in a process of its own, {precision}, `malloc` as it is, "
+        f"interleaved repetitions {peers_for}, each peer's images over its seconds. Each pair "
+        "in turn, the order alternating; ratio: the run over the faster peer of its pair.",
         "",
         "| pair | train.py images/s | its epochs | path, precision | timm | vit-pytorch | ratio |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -156,7 +175,7 @@ def run_pairs(args: argparse.Namespace) -> list[dict]:
     """
     pairs = []
     with tempfile.TemporaryDirectory() as tmp:
-        spec = None
+        spec, train_s = None, 0.0
         for i in range(args.pairs):
             figures: dict = {}
             # The first pair starts with train.py: its metrics give the peers' precision.
@@ -166,8 +185,12 @@ def run_pairs(args: argparse.Namespace) -> list[dict]:
                     m = speedrun.run_train_py(Path(tmp) / str(i), run)
                     spec = spec or peer_arch(m)
                     figures["metrics"] = m
+                    train_s = float(m.get("train_time_s") or 0.0)
                 else:
-                    figures["peers"] = run_peers(spec, args)
+                    # As long as this pair's run trained, or where the peers go first, the
+                    # last pair's: the runs of one comparison are the same length.
+                    seconds = train_s if args.peer_seconds is None else args.peer_seconds
+                    figures["peers"] = run_peers(spec, args, seconds)
             figures["spec"] = spec
             figures["ratio"] = figures["metrics"]["train_images_per_s"] / max(
                 figures["peers"].values()
@@ -188,7 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=2, help="train.py's trainer.max_epochs")
     parser.add_argument("--steps", type=int, default=10, help="peer steps per repetition")
-    parser.add_argument("--reps", type=int, default=5, help="peer repetitions (median)")
+    parser.add_argument("--reps", type=int, default=5, help="peer repetitions, at least")
+    parser.add_argument(
+        "--peer-seconds",
+        type=float,
+        default=None,
+        help="seconds the peers' loop runs at least (default: as long as the pair's train.py "
+        "run trained, its train_time_s)",
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed peer steps first")
     parser.add_argument("--out", default="-", help="Markdown file to add the section to, or -")
     parser.add_argument("--peers-only", metavar="SPEC", help=argparse.SUPPRESS)
@@ -197,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("pairs", "epochs", "steps", "reps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}={getattr(args, name)}: give 1 or more")
+    if args.peer_seconds is not None and not args.peer_seconds >= 0:
+        parser.error(f"--peer-seconds={args.peer_seconds:g}: give 0 or more")
     try:
         import timm  # noqa: F401
         import vit_pytorch  # noqa: F401
@@ -204,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e.name} is missing: pip install -e '.[bench]'", file=sys.stderr)
         return 2
     if args.peers_only:
-        peers = time_peers(json.loads(args.peers_only), args.steps, args.reps, args.warmup)
+        spec = json.loads(args.peers_only)
+        peers = time_peers(spec, args.steps, args.reps, args.warmup, args.peer_seconds or 0.0)
         print(json.dumps(peers))
         return 0
     if torch.cuda.is_available():
@@ -216,7 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     command = " ".join(["python scripts/train_vs_peers.py", *(argv or sys.argv[1:])])
-    section = markdown_section(pairs, command, args.overrides, args.epochs)
+    kwargs = {}
+    if args.peer_seconds is not None:
+        kwargs["peers_for"] = f"for at least {args.peer_seconds:g} s and {args.reps} of them"
+    section = markdown_section(pairs, command, args.overrides, args.epochs, **kwargs)
     if args.out == "-":
         print(section)
         return 0

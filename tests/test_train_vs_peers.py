@@ -82,6 +82,35 @@ def test_the_peers_loop_times_both_peers(script):
     assert set(speeds) == {"timm", "vit-pytorch"} and min(speeds.values()) > 0
 
 
+def test_the_peers_loop_runs_for_the_seconds_asked(script, monkeypatch):
+    spec = {**script.peer_arch(METRICS), "batch": 4, "bf16": False, "depth": 1}
+    clock = iter(range(10_000))  # every reading of the clock one "second" after the last
+    monkeypatch.setattr(script.time, "perf_counter", lambda: float(next(clock)))
+    calls = []
+    timed = script.bench.Trainer.timed
+    monkeypatch.setattr(script.bench.Trainer, "timed", lambda t, n: calls.append(n) or timed(t, n))
+    speeds = script.time_peers(spec, steps=1, reps=1, warmup=0, seconds=20)
+    # More than the one repetition asked for: rounds of both peers until 20 "seconds" passed.
+    assert len(calls) > 2 and len(calls) % 2 == 0
+    assert set(speeds) == {"timm", "vit-pytorch"} and min(speeds.values()) > 0
+
+
+def test_each_pairs_peers_run_as_long_as_its_run_trained(script, monkeypatch, tmp_path):
+    runs = iter([{**METRICS, "train_time_s": 30.0}, {**METRICS, "train_time_s": 50.0}])
+    monkeypatch.setattr(script.speedrun, "run_train_py", lambda out, overrides: next(runs))
+    asked = []
+    peers = {"timm": 1000.0, "vit-pytorch": 4000.0}
+    monkeypatch.setattr(script, "run_peers", lambda spec, args, s: asked.append(s) or peers)
+    args = script.argparse.Namespace(pairs=2, epochs=1, overrides=[], peer_seconds=None)
+    pairs = script.run_pairs(args)
+    # Pair 1 trains first (30 s); pair 2's peers go first, as long as pair 1's run.
+    assert asked == [30.0, 30.0] and [p["ratio"] for p in pairs] == [1.5, 1.5]
+    runs = iter([{**METRICS, "train_time_s": 30.0}])
+    asked.clear()
+    script.run_pairs(script.argparse.Namespace(pairs=1, epochs=1, overrides=[], peer_seconds=2.0))
+    assert asked == [2.0]
+
+
 def test_the_section_gives_each_pair_and_the_median_ratio(script):
     spec = script.peer_arch(METRICS)
     pairs = [
