@@ -95,7 +95,7 @@ def test_the_peers_loop_runs_for_the_seconds_asked(script, monkeypatch):
     assert set(speeds) == {"timm", "vit-pytorch"} and min(speeds.values()) > 0
 
 
-def test_each_pairs_peers_run_as_long_as_its_run_trained(script, monkeypatch, tmp_path):
+def test_each_pairs_peers_run_as_long_as_its_run_trained(script, monkeypatch):
     runs = iter([{**METRICS, "train_time_s": 30.0}, {**METRICS, "train_time_s": 50.0}])
     monkeypatch.setattr(script.speedrun, "run_train_py", lambda out, overrides: next(runs))
     asked = []
