@@ -491,7 +491,7 @@ void forward_dp(Src q, Src k, Src v, Dst out, char* weights, int64_t B, int64_t 
           nmax = std::max(nmax, n[r]);
           mx[r] = splat(-INFINITY);
           for (int jb = 0; jb < NB; ++jb) {
-            vi lane = vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + jb * 16;
+            vi lane = iota() + jb * 16;  // L == 16 in this AVX-512 code
             vf sj = round_bf16(s[r][jb] * scale);
             s[r][jb] = (vf)(lane < int32_t(n[r]) ? (vi)sj : (vi)splat(-INFINITY));
             mx[r] = vmax(mx[r], s[r][jb]);
