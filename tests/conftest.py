@@ -84,3 +84,13 @@ def mnist_dir():
     except DataError as e:
         pytest.skip(f"real MNIST unavailable here: {e}")
     return DATA_DIR
+
+
+def pytest_report_header() -> str:
+    """The instruction-set class the run's kernels use: CI runs the ``isa`` tests twice."""
+    import os
+
+    from vit_mnist.speed.hardware import isa_class
+
+    forced = os.environ.get("ATEN_CPU_CAPABILITY")
+    return f"CPU class: {isa_class()}" + (f" (ATEN_CPU_CAPABILITY={forced})" if forced else "")

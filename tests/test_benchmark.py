@@ -9,6 +9,9 @@ import pytest
 
 from tests.conftest import ROOT
 
+# Depends on the CPU's instruction set: CI runs it again under AVX2 emulation (.ci/run).
+pytestmark = pytest.mark.isa
+
 
 @pytest.fixture(scope="module")
 def benchmark():

@@ -21,6 +21,9 @@ from vit_mnist.speed.hardware import cpuinfo_flags
 from vit_mnist.speed.native_forward import native_core, native_vit_forward
 from vit_mnist.speed.paths import PATHS
 
+# Depends on the CPU's instruction set: CI runs it again under AVX2 emulation (.ci/run).
+pytestmark = pytest.mark.isa
+
 CPU = torch.device("cpu")
 
 

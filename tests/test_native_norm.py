@@ -12,6 +12,9 @@ from vit_mnist.speed import native
 from vit_mnist.speed.native_forward import _add_norm, _block_deferred, native_vit_forward
 from vit_mnist.speed.paths import PATHS
 
+# Depends on the CPU's instruction set: CI runs it again under AVX2 emulation (.ci/run).
+pytestmark = pytest.mark.isa
+
 _WHY_NOT = PATHS["native"].unavailable(torch.device("cpu"))
 if _WHY_NOT is None and native.build_target() != "AVX-512":
     _WHY_NOT = "the LayerNorm kernel is for AVX-512 only; PyTorch runs at AVX2 here"

@@ -87,6 +87,7 @@ def test_narrow_heads_are_the_textbook_attention(impl):
         VisionTransformer(**{**ARGS, "num_heads": [2, 3]})
 
 
+@pytest.mark.isa
 def test_speed_paths_run_a_pruned_model_or_say_why_not():
     pruned, _ = prune_heads(_model(), ARGS, [(0, 1), (1, 0), (1, 2)])
     x = torch.randn(3, 1, 28, 28)

@@ -30,6 +30,9 @@ from vit_mnist.speed.forward import (
 )
 from vit_mnist.speed.paths import PATHS
 
+# Depends on the CPU's instruction set: CI runs it again under AVX2 emulation (.ci/run).
+pytestmark = pytest.mark.isa
+
 CPU = torch.device("cpu")
 TINY = dict(embed_dim=32, depth=2, num_heads=4, mlp_ratio=2.0)
 EAGER = [n for n, p in PATHS.items() if not p.compiles]

@@ -102,6 +102,7 @@ def test_fused_attention_and_bf16_train(make_train_cfg):
     assert torch.isfinite(torch.tensor(metrics["test/loss"]))
 
 
+@pytest.mark.isa
 def test_auto_chooses_path_and_precision_by_measurement_then_from_the_cache(
     make_train_cfg, tmp_path, monkeypatch
 ):
