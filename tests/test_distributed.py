@@ -55,6 +55,9 @@ def test_ddp_on_two_cpu_processes_inside_a_multirun(tmp_path):
         "trainer.accelerator=cpu",
         "trainer.devices=2",
         *TINY,
+        # A fixed path: auto's timing (seconds in each process) has tests of its own.
+        "speed.path=reference",
+        "trainer.precision=32-true",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
     )
     assert result.returncode == 0, result.stderr[-4000:]
