@@ -32,6 +32,10 @@ SLOW = [
     "callbacks.last_checkpoint.every_n_train_steps=5",
     "~callbacks.attention_maps",
     *TINY_MODEL,
+    # A fixed path: auto's timing (seconds in every process) has tests of its own.
+    "speed.path=reference",
+    "trainer.precision=32-true",
+    "speed.allocator=system",
 ]
 STEPS_PER_EPOCH = 64
 
