@@ -277,6 +277,7 @@ class ExportSettings:
     ckpt_path: str = _setting(example="ckpt_path=latest")
     format: str = _setting(choices=["onnx", "torchscript"])
     output: str | None = _setting()
+    overwrite: bool = _setting()
     opset: int = _setting(ge=7, example="opset=18")
     check_images: int = _setting(ge=1, example="check_images=1000")
     data: DataSettings | None = None
