@@ -788,10 +788,12 @@ def main(cfg: DictConfig) -> list[Prediction]:
         counts.update(row["predicted"] for row in done.values() if row["predicted"])
         classes = ", ".join(f"{name}: {n}" for name, n in sorted(counts.items()))
         drawn = sum(r.picture is not None for r in results)
+        drawn += sum(bool(row["attention"]) for row in done.values())
         print(
             f"{total - len(failed) - failed_before} of {total} images predicted "
-            f"(classes {classes}); attention pictures of {drawn} in {out_dir}"
-            + (f" ({len(done)} from the earlier run)" if done else "")
+            f"(classes {classes}"
+            + (f"; {len(done)} of them by the earlier run" if done else "")
+            + f"); attention pictures of {drawn} in {out_dir}"
         )
     n_failed = len(failed) + failed_before
     print(f"predictions: {csv_path}" + (f" ({n_failed} failed)" if n_failed else ""))
