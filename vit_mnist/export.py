@@ -198,7 +198,7 @@ def output_path(cfg: DictConfig, ckpt_path: Path) -> Path:
         raise ConfigError(
             f"output={path} is a folder; give a file name, e.g. output={path / ('model' + suffix)}"
         )
-    if path.exists() and not cfg.get("overwrite", False):
+    if path.exists() and not cfg.overwrite:
         raise ConfigError(
             f"output={path} exists already; add overwrite=true to replace it, or choose "
             "another output"

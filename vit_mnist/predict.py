@@ -710,7 +710,7 @@ def main(cfg: DictConfig) -> list[Prediction]:
     specs = list(cfg.images) if isinstance(cfg.images, ListConfig) else [cfg.images]
     out_dir = Path(cfg.paths.output_dir)
     csv_path = out_dir / CSV_NAME
-    resume = bool(cfg.get("resume", False))
+    resume = bool(cfg.resume)
     if csv_path.exists() and not resume:
         raise ConfigError(
             f"{csv_path} exists already: add resume=true to predict only the files not in it, "
@@ -736,7 +736,7 @@ def main(cfg: DictConfig) -> list[Prediction]:
         )
     stems = output_stems(paths)
     todo = [i for i, path in enumerate(paths) if str(path) not in done]
-    limit = _pictures_limit(cfg.get("pictures", "all"), len(paths))
+    limit = _pictures_limit(cfg.pictures, len(paths))
     results: list[Prediction] = []
     failed_before = sum(bool(row["error"]) for row in done.values())
     interrupts = _Interrupts()
