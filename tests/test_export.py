@@ -52,3 +52,28 @@ def test_export_cli_without_checkpoint_is_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: ckpt_path is required")
     assert "Traceback" not in result.stderr
+
+
+def test_an_existing_or_misnamed_output_is_refused(checkpoint, tmp_path):
+    def cfg(*overrides: str):
+        return compose_config("export", [f"ckpt_path={checkpoint}", *overrides], tmp_path)
+
+    # A run's metrics given as output: refused for its suffix, and left as it was.
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text('{"test/acc": 0.98}\n')
+    with pytest.raises(ConfigError, match=r"does not end in \.onnx.*output=.*metrics\.onnx$"):
+        export(cfg("format=onnx", f"output={metrics}"))
+    with pytest.raises(ConfigError, match=r"does not end in \.pt, the suffix of format=torch"):
+        export(cfg("format=torchscript", f"output={tmp_path / 'model.onnx'}"))
+    assert metrics.read_text() == '{"test/acc": 0.98}\n'
+    # A file of the right name that exists: kept unless overwrite=true.
+    existing = tmp_path / "model.pt"
+    existing.write_bytes(b"an earlier export")
+    with pytest.raises(ConfigError, match="model.pt exists already; add overwrite=true"):
+        export(cfg("format=torchscript", f"output={existing}"))
+    assert existing.read_bytes() == b"an earlier export"
+    result = export(
+        cfg("format=torchscript", f"output={existing}", "overwrite=true", "check_images=10")
+    )
+    assert result["path"] == str(existing) and result["classes_agree"] == 10
+    assert existing.read_bytes() != b"an earlier export"

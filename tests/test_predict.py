@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import csv
 import logging
+import os
 import random
 import re
+import signal
 from pathlib import Path
 
 import lightning as L
@@ -63,9 +65,11 @@ def draw_digit(path: Path, seed: int, size: int = 48) -> Path:
     return path
 
 
-def predict(ckpt: Path, images: str, run_dir: Path) -> tuple[int, list[dict[str, str]]]:
+def predict(
+    ckpt: Path, images: str, run_dir: Path, *overrides: str
+) -> tuple[int, list[dict[str, str]]]:
     """``main`` as the command line runs it: the exit status and the CSV's rows."""
-    cfg = compose_config("predict", [f"ckpt_path={ckpt}", f"images={images}"], run_dir)
+    cfg = compose_config("predict", [f"ckpt_path={ckpt}", f"images={images}", *overrides], run_dir)
     try:
         main(cfg)
         code = 0
@@ -270,3 +274,157 @@ def test_an_image_over_the_pixel_limit_is_refused_by_name(tiny_ckpt, tmp_path, m
     good_result, bomb_result = predict_images(module, [good, bomb], tmp_path / "out")
     assert good_result.error is None and good_result.top
     assert "DecompressionBombError" in bomb_result.error and not bomb_result.top
+
+
+class _Unhandled(Exception):
+    """A signal that reached the test's own handler: the code under test did not take it."""
+
+
+def _test_handler(signum, frame):
+    raise _Unhandled(signal.Signals(signum).name)
+
+
+def test_an_interrupt_keeps_the_finished_rows_and_resume_does_the_rest(
+    tiny_ckpt, tmp_path, monkeypatch, capsys
+):
+    # A real SIGTERM to this process during the third batch of 2: the two finished
+    # batches are in predictions.csv, one line says so, exit status 143.
+    folder = tmp_path / "digits"
+    paths = [draw_digit(folder / f"{i}.png", seed=i, size=30) for i in range(9)]
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr("vit_mnist.predict.BATCH_SIZE", 2)
+    from vit_mnist import predict as predict_module
+
+    real_batch = predict_module._predict_batch
+    seen: list[str] = []
+
+    def batch(module, batch_paths, *args, **kwargs):
+        seen.extend(map(str, batch_paths))
+        if len(seen) == 6 and not (run_dir / "stop").exists():
+            (run_dir / "stop").touch()
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_batch(module, batch_paths, *args, **kwargs)
+
+    monkeypatch.setattr(predict_module, "_predict_batch", batch)
+    previous = signal.signal(signal.SIGTERM, _test_handler)
+    try:
+        code, rows = predict(tiny_ckpt, str(folder), run_dir)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 143
+    assert [r["path"] for r in rows] == [str(p) for p in paths[:4]]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("Interrupted (SIGTERM): 4 of 9 images are in "), err
+    assert f"resume=true hydra.run.dir={run_dir}" in err[0]
+
+    # Without resume=true the run dir is refused: its CSV is not replaced.
+    code, rows = predict(tiny_ckpt, str(folder), run_dir)
+    assert code == 2 and len(rows) == 4
+    assert "predictions.csv exists already: add resume=true" in capsys.readouterr().err
+
+    # A row cut off by a hard kill is dropped and its image predicted again.
+    with (run_dir / "predictions.csv").open("a") as f:
+        f.write(f"{paths[4]},7,0.9")
+    seen.clear()
+    code, rows = predict(tiny_ckpt, str(folder), run_dir, "pictures=5", "resume=true")
+    assert code == 0
+    assert seen == [str(p) for p in paths[4:]]  # the first four are not predicted again
+    assert [r["path"] for r in rows] == [str(p) for p in paths]
+    for row in rows:
+        assert row["error"] == "" and TOP3.match(row["top3"]), row
+    # pictures=5 counts from the first image of the list, across the two runs.
+    assert [bool(r["attention"]) for r in rows] == [True] * 5 + [False] * 4
+    assert sorted(p.name for p in run_dir.glob("*_attention.png")) == [
+        f"{i}_attention.png" for i in range(5)
+    ]
+
+
+@pytest.mark.parametrize("pictures", ["0", "2", "all"])
+def test_pictures_is_how_many_images_are_drawn(tiny_ckpt, tmp_path, pictures):
+    folder = tmp_path / "digits"
+    for i in range(4):
+        draw_digit(folder / f"{i}.png", seed=i, size=30)
+    run_dir = tmp_path / "run"
+    code, rows = predict(tiny_ckpt, str(folder), run_dir, f"pictures={pictures}")
+    assert code == 0 and len(rows) == 4
+    drawn = {"0": 0, "2": 2, "all": 4}[pictures]
+    assert [r["attention"] for r in rows] == [f"{i}_attention.png" for i in range(drawn)] + [""] * (
+        4 - drawn
+    )
+    assert len(list(run_dir.glob("*_attention.png"))) == drawn
+    assert len(list(run_dir.glob("*_28x28.png"))) == drawn
+    for row in rows[:drawn]:
+        check_predicted(row, run_dir)
+
+
+def test_pictures_must_be_a_count_or_all(tiny_ckpt, tmp_path):
+    code, _ = predict(tiny_ckpt, str(tmp_path), tmp_path / "run", "pictures=-1")
+    assert code == 2
+
+
+def test_an_animated_image_is_predicted_from_its_first_frame_and_says_so(
+    tiny_ckpt, tmp_path, caplog
+):
+    frames = [Image.open(draw_digit(tmp_path / f"f{i}.png", seed=i)).convert("P") for i in range(3)]
+    gif = tmp_path / "moving.gif"
+    frames[0].save(gif, save_all=True, append_images=frames[1:])
+    module, _ = load_model(tiny_ckpt)
+    (result,) = predict_images(module, [gif], tmp_path / "out", pictures=0)
+    assert result.error is None and result.top and result.picture is None
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [f"{gif}: an animation of 3 frames; its first frame is predicted"]
+
+
+def test_the_folder_walk_names_and_skips_loops_dangling_links_and_fifos(
+    tiny_ckpt, tmp_path, caplog, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    folder = Path("scans")
+    good = draw_digit(folder / "good.png", seed=1, size=30)
+    deep = draw_digit(folder / "sub" / "deep.png", seed=2, size=30)
+    (folder / "loop_a.png").symlink_to("loop_b.png")  # a loop of two links
+    (folder / "loop_b.png").symlink_to("loop_a.png")
+    (folder / "sub" / "up").symlink_to("..")  # a folder that holds itself
+    (folder / "gone.png").symlink_to("deleted.png")
+    os.mkfifo(folder / "pipe.png")  # opening it would wait for a writer forever
+    caplog.set_level(logging.INFO, logger="vit_mnist.predict")
+
+    paths, problems = collect_images([str(folder), "scans/**/*.png", "scans/gone.png"])
+
+    assert paths == [good, deep] and problems == [
+        ("scans/gone.png", "a dangling link (to deleted.png)")
+    ]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    for name, reason in [
+        ("loop_a.png", "a symlink loop"),
+        ("loop_b.png", "a symlink loop"),
+        ("gone.png", "a dangling link (to deleted.png)"),
+        ("pipe.png", "a FIFO, not an image file"),
+    ]:
+        assert f"scans/{name}: {reason}; skipped" in warned, warned
+    assert any(m.startswith("scans/sub/up: a symlink loop") for m in warned), warned
+    assert not any("up/" in str(p) for p in paths)
+
+    code, rows = predict(tiny_ckpt, str(folder), tmp_path / "run")
+    assert code == 0 and [r["path"] for r in rows] == [str(good)]
+
+
+def test_a_subfolder_that_cannot_be_listed_is_named_and_skipped(tmp_path, caplog, monkeypatch):
+    good = draw_digit(tmp_path / "a" / "good.png", seed=1, size=30)
+    locked = tmp_path / "a" / "locked"
+    draw_digit(locked / "hidden.png", seed=2, size=30)
+    # As chmod 000 would do for anyone but root (the tests may run as root): listing the
+    # folder fails, for glob and for the walk alike.
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if Path(path) == locked:
+            raise PermissionError(13, "Permission denied", str(locked))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    paths, problems = collect_images(str(tmp_path / "a" / "**" / "*.png"))
+    assert paths == [good] and problems == []
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [f"{locked}: a subfolder that cannot be listed (Permission denied); skipped"]

@@ -285,6 +285,8 @@ def test_results_script_without_runs_is_one_line(tmp_path):
 
     result = run("scripts/results.py", str(tmp_path))
     assert result.returncode == 2 and result.stderr.startswith("error: no training run")
+    # The folder as the user wrote it, not Python's PosixPath('...').
+    assert result.stderr.strip().endswith(f"under {tmp_path}") and "Path(" not in result.stderr
 
 
 def test_ema_callback_trains_and_validates_with_averaged_weights(make_train_cfg):

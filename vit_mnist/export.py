@@ -5,6 +5,7 @@ a model that takes ``(batch, 1, 28, 28)`` float32 pixel values in [0, 1] (white 
 black, as torchvision's ``ToTensor`` gives for MNIST) and returns ``(batch, num_classes)``
 float32 logits. The normalisation the model was trained with is part of the exported
 graph, so a consumer needs no constants from this project. The batch axis is dynamic.
+The file is never put over an existing one unless ``overwrite=true`` (:func:`output_path`).
 """
 
 from __future__ import annotations
@@ -173,6 +174,38 @@ def sample_test_images(
     return images[:n].float() * std + mean, labels[:n]
 
 
+def output_path(cfg: DictConfig, ckpt_path: Path) -> Path:
+    """Where ``cfg`` asks the export to go: ``output``, or ``<run dir>/<checkpoint
+    name><suffix>``, the suffix that :data:`FORMATS` gives ``cfg.format``.
+
+    Raises:
+        ConfigError: ``output`` does not end in the format's suffix (``.onnx`` or ``.pt``),
+            or names a folder, or names an existing file and ``overwrite`` is not true.
+    """
+    fmt = str(cfg.format)
+    suffix = FORMATS[fmt]
+    output = cfg.get("output")
+    if output:
+        path = Path(str(output)).expanduser()
+        if path.suffix.lower() != suffix:
+            raise ConfigError(
+                f"output={output} does not end in {suffix}, the suffix of format={fmt}; "
+                f"use output={path.with_suffix(suffix)}"
+            )
+    else:
+        path = Path(cfg.paths.output_dir) / (ckpt_path.stem + suffix)
+    if path.is_dir():
+        raise ConfigError(
+            f"output={path} is a folder; give a file name, e.g. output={path / ('model' + suffix)}"
+        )
+    if path.exists() and not cfg.overwrite:
+        raise ConfigError(
+            f"output={path} exists already; add overwrite=true to replace it, or choose "
+            "another output"
+        )
+    return path
+
+
 def export(cfg: DictConfig) -> dict[str, Any]:
     """Export ``cfg.ckpt_path`` as ``cfg.format``, then check it on real test images.
 
@@ -180,7 +213,8 @@ def export(cfg: DictConfig) -> dict[str, Any]:
         ``path`` of the exported file and the :class:`ExportCheck` fields.
 
     Raises:
-        ConfigError: unknown ``format`` or a non-positive ``check_images``.
+        ConfigError: unknown ``format``, a non-positive ``check_images``, or an ``output``
+            that :func:`output_path` refuses (checked before any work).
         CheckpointError: see :func:`vit_mnist.evaluate.read_checkpoint`.
     """
     fmt = str(cfg.format)
@@ -190,6 +224,7 @@ def export(cfg: DictConfig) -> dict[str, Any]:
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise ConfigError(f"check_images={n!r} must be a positive integer")
     ckpt_path = resolve_ckpt_path(cfg)
+    path = output_path(cfg, Path(ckpt_path))
     run_info = read_checkpoint(ckpt_path).get(RUN_INFO_KEY, {})
     module = ViTClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True)
     data = run_info.get("data", {})
@@ -197,11 +232,6 @@ def export(cfg: DictConfig) -> dict[str, Any]:
     mean, std = float(data.get("mean", 0.0)), float(data.get("std", 1.0))
     model = PixelsToLogits(module.net.float(), mean=mean, std=std).eval()
 
-    path = (
-        Path(cfg.output)
-        if cfg.get("output")
-        else Path(cfg.paths.output_dir) / (Path(ckpt_path).stem + FORMATS[fmt])
-    )
     export_model(model, fmt, path, opset=cfg.opset)
     pixels, labels = sample_test_images(cfg, ckpt_path, run_info, n, mean, std)
     check = check_export(model, fmt, path, pixels, labels)

@@ -1,5 +1,7 @@
 """Writing files so that a killed process never leaves half of one: every writer here goes
-through :func:`atomic_write_bytes` (a temporary file in the same folder, fsync, rename).
+through :func:`atomic_write_bytes` (a temporary file in the same folder, fsync, rename),
+except :func:`append_csv_rows`, which grows a table by whole rows so that a long job keeps
+what it has done.
 
 What is written: raw bytes (checkpoints, IDX data files), ``metrics.json``, CSV tables,
 PNG pictures from tensors and matplotlib figures.
@@ -95,6 +97,43 @@ def write_csv(
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_bytes(Path(path), buffer.getvalue().encode())
+
+
+def append_csv_rows(
+    path: str | Path, rows: Sequence[dict[str, Any]], columns: Sequence[str]
+) -> None:
+    """Append dict rows to a CSV file (its header first when the file is new or empty; the
+    folder is made when missing).
+
+    The rows go out in one ``write`` on a file opened for appending, then ``fsync``: a
+    signal handled in Python (Ctrl-C, SIGTERM) lands before or after them, never between
+    two halves of a row. Only a hard kill or a full disk in the middle of the write can
+    leave a cut-off last line, which a reader that resumes must drop (see
+    :func:`vit_mnist.predict.read_done_rows`).
+
+    Raises:
+        WriteError: the file cannot be written (full disk, no permission); names ``path``.
+    """
+    path = Path(path)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(columns))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.stat().st_size == 0:
+            writer.writeheader()
+        writer.writerows(rows)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+        try:
+            data = memoryview(buffer.getvalue().encode())
+            while data:  # os.write may take less than all of it (a full disk)
+                data = data[os.write(fd, data) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        error = WriteError(f"cannot write {path}: {e.strerror or e}; the rows before are kept")
+        error.errno = e.errno
+        raise error from e
 
 
 def save_png(image: torch.Tensor, path: str | Path) -> None:

@@ -123,8 +123,9 @@ def find_runs(paths: Iterable[str | Path]) -> list[Run]:
     Raises:
         FileNotFoundError: a path does not exist, or no run dir is found.
     """
+    roots = [Path(p) for p in paths]
     runs = []
-    for index, root in enumerate(map(Path, paths)):
+    for index, root in enumerate(roots):
         if not root.exists():
             raise FileNotFoundError(f"{root} does not exist")
         for metrics_file in sorted(root.rglob("metrics.json")):
@@ -138,7 +139,8 @@ def find_runs(paths: Iterable[str | Path]) -> list[Run]:
             overrides = yaml.safe_load(overrides_file.read_text()) or []
             runs.append(Run(run_dir, metrics, [str(o) for o in overrides], index))
     if not runs:
-        raise FileNotFoundError(f"no training run (metrics.json + .hydra/) under {list(paths)}")
+        where = ", ".join(map(str, roots))
+        raise FileNotFoundError(f"no training run (metrics.json + .hydra/) under {where}")
     return runs
 
 

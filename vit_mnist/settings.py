@@ -94,6 +94,12 @@ def _images(value: Any) -> str | None:
     return "must be a file, a folder, or a list of them: images=digit.png or images=[a.png,b.png]"
 
 
+def _pictures(value: Any) -> str | None:
+    if value == "all" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return None
+    return "must be a number of images >= 0 (the first ones get pictures) or all"
+
+
 def _auto_or_bool(value: Any) -> str | None:
     return None if isinstance(value, bool) or value == "auto" else "must be auto, true or false"
 
@@ -266,6 +272,8 @@ class PredictSettings:
     task_name: str = _setting()
     ckpt_path: str = _setting(example="ckpt_path=latest")
     images: Any = _setting(check=_images)
+    pictures: Any = _setting(check=_pictures, example="pictures=64")
+    resume: bool = _setting()
     paths: dict[str, Any] = field(default_factory=dict)
 
 
@@ -277,6 +285,7 @@ class ExportSettings:
     ckpt_path: str = _setting(example="ckpt_path=latest")
     format: str = _setting(choices=["onnx", "torchscript"])
     output: str | None = _setting()
+    overwrite: bool = _setting()
     opset: int = _setting(ge=7, example="opset=18")
     check_images: int = _setting(ge=1, example="check_images=1000")
     data: DataSettings | None = None
