@@ -99,6 +99,13 @@ BAD = [
     # More than 4 pixels moves a digit's stroke out of the frame (issue 55: 12.7% at 100).
     ("train", ["module.test_time_shift=100"], ["module.test_time_shift=100", "in [0, 4]"]),
     ("evaluate", ["ckpt_path=x", "test_time_shift=5"], ["test_time_shift=5", "in [0, 4]"]),
+    ("train", ["data.std=0.7"], ["data.std=0.7", "in (0, 0.5]", "data.std=0.3081"]),
+    ("train", ["data.mean=-0.1"], ["data.mean=-0.1", "in [0, 1]"]),
+    ("train", ["model.num_classes=1"], ["model.num_classes=1", ">= 2"]),
+    ("train", ["model.dropout=1.0"], ["model.dropout=1.0", "in [0, 1)"]),
+    ("train", ["data.split_seed=-1"], ["data.split_seed=-1", "in [0, 2**64)"]),
+    ("train", ["callbacks.last_checkpoint.every_n_train_steps=0"], ["every_n_train_steps=0"]),
+    ("train", ["model.depth=null"], ["model.depth=null", "whole number"]),
     ("evaluate", ["ckpt_path=x", "precision=fp8"], ["precision=fp8", "32-true"]),
     ("evaluate", ["ckpt_path=x", "analysis=everything"], ["analysis=everything", "heads"]),
     ("evaluate", ["ckpt_path=x", "prune.max_fraction=1"], ["prune.max_fraction=1", "(0, 1)"]),

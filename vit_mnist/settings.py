@@ -204,8 +204,10 @@ class DataSettings:
     val_size: int = _setting(ge=1, example="data.val_size=5000")
     split_seed: int = _seed("data.split_seed", below=2**64)
     download: bool = _setting()
-    mean: float = _setting(example="data.mean=0.1307")
-    std: float = _setting(gt=0, example="data.std=0.3081")
+    # Of the pixel values, which are in [0, 1]: so is their mean, and their standard
+    # deviation is at most 0.5 (half the range, Popoviciu's inequality).
+    mean: float = _setting(ge=0, le=1, example="data.mean=0.1307")
+    std: float = _setting(gt=0, le=0.5, example="data.std=0.3081")
     pin_memory: bool = _setting()
     fast: bool = _setting()
     on_device: bool = _setting()
