@@ -110,7 +110,10 @@ def test_bf16_autocast_runs_and_keeps_weights_normalised():
         ({"embed_dim": 64, "num_heads": 3}, ["embed_dim=64", "num_heads=3"]),
         ({"embed_dim": 0, "num_heads": 1}, ["embed_dim=0"]),
         ({"embed_dim": 8, "num_heads": -2}, ["num_heads=-2"]),
-        ({"embed_dim": 8, "num_heads": 2, "impl": "flash"}, ["'flash'", "explicit", "fused"]),
+        (
+            {"embed_dim": 8, "num_heads": 2, "impl": "flash"},
+            ["attention_impl=flash", "explicit", "fused"],
+        ),
     ],
 )
 def test_impossible_shapes_raise_value_error_naming_values(kwargs, words):

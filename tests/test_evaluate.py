@@ -155,7 +155,7 @@ def test_faithfulness_analysis(synthetic_ckpt, tmp_path):
         "faithfulness/relevance/positive_auc",
         "misclassified_relevance",
     } <= tags
-    with pytest.raises(ValueError, match="analysis='nonsense' is unknown"):
+    with pytest.raises(ValueError, match=r"analysis=nonsense is not one of \['null', 'heads'"):
         evaluate(compose_config("eval", [*overrides[:2], "analysis=nonsense"], tmp_path / "x"))
 
     # The README's relevance picture is drawn from a checkpoint by this script.
@@ -306,5 +306,5 @@ def test_eval_on_the_validation_split_with_a_test_time_shift(synthetic_ckpt, tmp
     assert written["val/acc"] == shifted["val/acc"]
     with pytest.raises(ConfigError, match="split=val"):
         evaluate(compose_config("eval", [*args, "analysis=heads"], tmp_path / "heads"))
-    with pytest.raises(ConfigError, match="split='train'"):
+    with pytest.raises(ConfigError, match=r"split=train is not one of \['test', 'val'\]"):
         evaluate(compose_config("eval", [f"ckpt_path={ckpt}", "split=train"], tmp_path / "x"))

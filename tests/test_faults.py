@@ -354,3 +354,19 @@ def test_a_run_that_trains_no_step_is_an_error(make_train_cfg, tmp_path):
     with pytest.raises(ConfigError, match="no training step ran.*limit_train_batches=0"):
         train(make_train_cfg("trainer.limit_train_batches=0"))
     assert not (tmp_path / "train" / "metrics.json").exists()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"epoch,acc\n1,0.98\n", b"hello", b"\x89PNG\r\n\x1a\n" + bytes(64), b""],
+    ids=["csv", "text", "png", "empty"],
+)
+def test_a_file_that_is_no_checkpoint_is_one_line_naming_it(tmp_path, content):
+    # A text file once gave "KeyError: 101": the byte 'e' read as a pickle opcode.
+    path = tmp_path / "notes.ckpt"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError) as info:
+        read_checkpoint(path)
+    message = str(info.value)
+    assert str(path) in message and "not a PyTorch checkpoint" in message, message
+    assert "KeyError" not in message and "\n" not in message

@@ -79,7 +79,7 @@ def test_overfits_one_small_batch():
         ({"depth": 0}, ["depth=0"]),
         ({"mlp_ratio": -1.0}, ["mlp_ratio=-1.0"]),
         ({"dropout": 1.5}, ["dropout=1.5"]),
-        ({"attention_impl": "flash"}, ["attention_impl='flash'"]),
+        ({"attention_impl": "flash"}, ["attention_impl=flash", "explicit"]),
     ],
 )
 def test_impossible_shapes_raise_value_error_naming_values(kwargs, words):

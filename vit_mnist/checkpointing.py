@@ -140,7 +140,19 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
             f"checkpoint {path} does not exist; give ckpt_path=<run dir>/checkpoints/<file>.ckpt"
         )
     try:
+        with path.open("rb") as f:
+            head = f.read(2)
+        # torch.save writes a zip archive ("PK"); before torch 1.6 a pickle (protocol
+        # byte 0x80). Anything else (text, an image, an empty file) would fail in the
+        # unpickler with a message about its bytes, such as "KeyError: 101".
+        if head != b"PK" and head[:1] != b"\x80":
+            raise CheckpointError(
+                f"checkpoint {path} is not a PyTorch checkpoint (neither a zip archive nor a "
+                "pickle); give ckpt_path=<run dir>/checkpoints/<file>.ckpt written by train.py"
+            )
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
     except Exception as e:
         # weights_only=True runs no code from the file, so whatever fails while parsing
         # (a text file gives KeyError, a cut one EOFError or BadZipFile) means the same:

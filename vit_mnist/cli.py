@@ -9,10 +9,8 @@ go under the current directory (``paths.root_dir``), exactly as with ``python tr
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import os
-import re
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -48,7 +46,9 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
         try:
             result = main()
         except Exception as e:
-            line = None if user_wants_full_errors else _hydra_error_line(e, main.__name__)
+            line = None
+            if not user_wants_full_errors and not _STARTED:
+                line = _hydra_error_line(e, main.__name__, sys.argv[1:])
             if line is None:
                 raise
             print(f"error: {line}", file=sys.stderr)
@@ -65,50 +65,71 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
     return wrapper
 
 
-def _hydra_error_line(error: Exception, command: str) -> str | None:
-    """One line for an error Hydra raised before the task began; None for anything else."""
+# The start of Hydra's message for ``+key=value`` on a key the config has already; it has no
+# type of its own (a ConfigCompositionException without a cause). tests/test_cli.py pins it
+# against the installed Hydra, so that a rewording fails there.
+APPEND_EXISTING = "Could not append to config. An item is already at '{key}'."
+
+
+def _given(key: str, argv: list[str]) -> str | None:
+    """The value that the command line gives ``key`` (``key=v``, ``+key=v``, ``++key=v``)."""
+    for arg in argv:
+        name, eq, value = arg.lstrip("+~").partition("=")
+        if eq and name == key:
+            return value
+    return None
+
+
+def _hydra_error_line(error: Exception, command: str, argv: list[str]) -> str | None:
+    """One line for an error Hydra raised while composing the config, before the task began;
+    None for anything else. Recognised by type (and the attributes Hydra gives its
+    errors), not by the wording of the message, except where noted."""
     from hydra.errors import (
         ConfigCompositionException,
         HydraException,
         MissingConfigException,
         OverrideParseException,
     )
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-    if _STARTED:
-        return None
     text = str(error).strip()
-    quoted = re.findall(r"'([^']*)'", text)
+    first = text.splitlines()[0] if text else type(error).__name__
     if isinstance(error, OverrideParseException):
         return (
-            f"cannot read the override: {text.splitlines()[0]} (quote lists and values with "
-            "spaces: 'model.num_heads=[2,4]'; grammar: "
+            f"cannot read the override {error.override}: {error.message.splitlines()[0]} "
+            "(quote lists and values with spaces: 'model.num_heads=[2,4]'; grammar: "
             "https://hydra.cc/docs/advanced/override_grammar/basic/)"
         )
     if isinstance(error, MissingConfigException):
-        if text.startswith("Primary config module"):
-            # configs/ is the package vit_mnist.configs only once the project is installed.
+        if error.missing_cfg_file is None:
+            # No primary config at all: configs/ is the package vit_mnist.configs only once
+            # the project is installed.
             return (
-                f"{text.splitlines()[0]} Install the project first: pip install -e . in the "
-                "checkout (the README's quick start)"
+                f"{first} Install the project first: pip install -e . in the checkout "
+                "(the README's quick start)"
             )
-        missing = re.search(r"Could not (?:find|load) '([^']+)'", text)
-        options = re.findall(r"^\t(\S+)$", text.split("Config search path")[0], re.M)
-        if missing and "/" in missing.group(1):
-            group, _, option = missing.group(1).rpartition("/")
+        group, _, option = error.missing_cfg_file.rpartition("/")
+        if group and error.options is not None:
             return (
-                f"{group}={option} is not an option of {group}; choose one of {options} "
-                f"(the files in configs/{group}/)"
+                f"{group}={option} is not an option of {group}; choose one of "
+                f"{list(error.options)} (the files in configs/{group}/)"
             )
-        return text.splitlines()[0]
+        return first
     if isinstance(error, ConfigCompositionException):
-        if text.startswith("Could not override") and quoted:
-            return _unknown_override(quoted[0], text, command)
-        if text.startswith("Could not append") and len(quoted) >= 2:
-            key = quoted[0]
-            return (
-                f"{key} is a setting already: drop the + ({quoted[1]}), or write ++ to set a "
-                f"key whether or not it exists ({quoted[-1]})"
-            )
+        cause = error.__cause__
+        if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
+            return _unknown_override(cause.full_key, _given(cause.full_key, argv), command)
+        for arg in argv:
+            key, _, value = arg[1:].partition("=")
+            if (
+                arg.startswith("+")
+                and not arg.startswith("++")
+                and text.startswith(APPEND_EXISTING.format(key=key))
+            ):
+                return (
+                    f"{key} is a setting already: drop the + ({key}={value}), or write ++ to "
+                    f"set a key whether or not it exists (++{key}={value})"
+                )
         return " ".join(text.split())
     if isinstance(error, OSError) and error.filename:
         return (
@@ -120,39 +141,17 @@ def _hydra_error_line(error: Exception, command: str) -> str | None:
     return None
 
 
-# Sections built from a class: any argument of the class may be added with a +.
-_OPEN_SECTIONS = ("trainer", "callbacks", "logger", "data")
-
-
-def _unknown_override(key: str, text: str, command: str) -> str:
+def _unknown_override(key: str, value: str | None, command: str) -> str:
     """``model.num_head=4``: the nearest setting, or how to add an argument with ``+``."""
-    from vit_mnist.settings import RETIRED, SETTINGS, known_keys
+    from vit_mnist.settings import RETIRED, SETTINGS, known_keys, unknown_key
 
-    if key in RETIRED:
-        return f"{key} {RETIRED[key]}"
-    assignment = re.search(r"use \+(\S+)", text)
-    value = assignment.group(1).partition("=")[2] if assignment else "..."
+    schema = SETTINGS[command]
+    value = "..." if value is None else value
     section, _, name = key.rpartition(".")
-    keys = known_keys(SETTINGS[command], section)
-    if name in keys:  # a setting that this config's YAML leaves out
+    if key not in RETIRED and name in known_keys(schema, section):
+        # A setting that this config's YAML leaves out.
         return f"{key} is not set by this config; add it with a +: +{key}={value}"
-    close = difflib.get_close_matches(name, keys, n=1)
-    if close:
-        nearest = f"{section}.{close[0]}" if section else close[0]
-        if section.split(".")[0] in _OPEN_SECTIONS:  # the YAML may not set it yet
-            return (
-                f"{key} is not a setting; did you mean {nearest}? ({nearest}={value}, or "
-                f"+{nearest}={value} where the config does not set it yet)"
-            )
-        return f"{key} is not a setting; did you mean {nearest}? ({nearest}={value})"
-    if section.split(".")[0] in _OPEN_SECTIONS:
-        return (
-            f"{key} is not in the config; to pass one more argument to {section}'s class, "
-            f"add it with a +: +{key}={value}"
-        )
-    listed = ", ".join(k for k in keys if not k.startswith("_"))
-    where = f"of {section}" if section else "at the top level"
-    return f"{key} is not a setting {where} (the settings there: {listed})"
+    return unknown_key(key, schema, value)
 
 
 def _start(task: str) -> ModuleType:

@@ -47,23 +47,12 @@ from vit_mnist.speed.hardware import describe_device, resolve_precision, uses_cu
 
 log = logging.getLogger(__name__)
 
-# The values of `analysis=` (configs/eval.yaml); null or "none" runs none.
-ANALYSES = ("heads", "faithfulness", "prune")
-
-
-# The values of `split=`: the images the report is computed on.
-SPLITS = ("test", "val")
-
 
 def _check_analysis_and_split(cfg: DictConfig) -> None:
-    if cfg.get("analysis") not in (None, "none", *ANALYSES):
-        raise ConfigError(
-            f"analysis={cfg.analysis!r} is unknown; use one of {list(ANALYSES)} or leave it out"
-        )
+    # Each alone is checked by the schema (EvalSettings); together, the analyses need the
+    # test images.
     split = cfg.get("split", "test")
-    if split not in SPLITS:
-        raise ConfigError(f"split={split!r} is unknown; use one of {list(SPLITS)}")
-    if split != "test" and cfg.get("analysis") not in (None, "none"):
+    if split != "test" and cfg.get("analysis") is not None:
         raise ConfigError(
             f"analysis={cfg.analysis} runs on the test images; drop split={split} to run it"
         )
@@ -99,10 +88,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
     Raises:
         CheckpointError: see :func:`read_checkpoint` and :func:`resolve_ckpt_path`.
-        ConfigError: an unknown ``analysis`` or ``split``, an analysis with
-            ``split=val``, ``faithfulness.num_images`` < 1, or a ``prune.*`` fraction out
-            of range.
+        ConfigError: a setting that ``EvalSettings`` (vit_mnist/settings.py) refuses, or an
+            analysis with ``split=val``.
     """
+    check_settings(cfg, EvalSettings)
     _check_analysis_and_split(cfg)
     ckpt_path = resolve_ckpt_path(cfg)
     ckpt = read_checkpoint(ckpt_path)
@@ -207,8 +196,6 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     elif cfg.get("analysis") == "faithfulness":
         settings = cfg.get("faithfulness") or {}
         num_images = int(settings.get("num_images", 1000))
-        if num_images < 1:
-            raise ConfigError(f"faithfulness.num_images={num_images} must be >= 1")
         metrics.update(
             analyse_faithfulness(
                 module.net,
@@ -316,16 +303,10 @@ def analyse_pruning(
         ``pruning/ckpt``.
 
     Raises:
-        ConfigError: ``prune.step_fraction`` not in (0, 1] or ``prune.max_fraction`` not
-            in [0, 1].
+        ConfigError: a ``prune.*`` value that ``PruneSettings`` refuses.
     """
     step_fraction = float(settings.get("step_fraction", 0.1))
     max_fraction = float(settings.get("max_fraction", 0.75))
-    if not 0 < step_fraction <= 1 or not 0 <= max_fraction <= 1:
-        raise ConfigError(
-            f"prune.step_fraction={step_fraction} must be in (0, 1] and "
-            f"prune.max_fraction={max_fraction} in [0, 1]"
-        )
     hparams = dict(module.hparams)
     test_loader = datamodule.test_dataloader()
 
@@ -455,5 +436,4 @@ def analyse_faithfulness(
 @exit_on_user_error
 def main(cfg: DictConfig) -> dict[str, Any]:
     """The body of ``python eval.py``: ``evaluate(cfg)``, bad input reported in one line."""
-    check_settings(cfg, EvalSettings)
     return evaluate(cfg)

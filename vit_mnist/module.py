@@ -16,8 +16,9 @@ from torch import nn
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from vit_mnist.errors import ConfigError, NonFiniteLossError
+from vit_mnist.errors import NonFiniteLossError
 from vit_mnist.models.vit import VisionTransformer
+from vit_mnist.settings import ModuleSettings, check_arguments
 from vit_mnist.speed.choose import record_compile
 from vit_mnist.speed.hardware import pin_to_cores
 from vit_mnist.speed.paths import PATHS
@@ -45,42 +46,6 @@ def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_rati
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def check_module_args(
-    *,
-    lr: float,
-    weight_decay: float = 0.0,
-    warmup_epochs: float = 0.0,
-    min_lr_ratio: float = 0.0,
-    label_smoothing: float = 0.0,
-    test_time_shift: int = 0,
-    **_: Any,
-) -> None:
-    """Check the optimizer, schedule and loss settings of :class:`ViTClassifier`.
-
-    Called by its constructor and, before any data is read, by ``train(cfg)``.
-
-    Raises:
-        ConfigError: naming the ``module.*`` key and its value.
-    """
-    if isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0:
-        raise ConfigError(f"module.lr={lr!r} must be a positive number")
-    if weight_decay < 0:
-        raise ConfigError(f"module.weight_decay={weight_decay} must be >= 0")
-    if warmup_epochs < 0:
-        raise ConfigError(f"module.warmup_epochs={warmup_epochs} must be >= 0")
-    if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ConfigError(f"module.min_lr_ratio={min_lr_ratio} must be in [0, 1]")
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ConfigError(f"module.label_smoothing={label_smoothing} must be in [0, 1)")
-    if isinstance(test_time_shift, bool) or not isinstance(test_time_shift, int):
-        raise ConfigError(
-            f"module.test_time_shift={test_time_shift!r} must be a whole number of pixels "
-            "(0 turns test-time augmentation off, 1 averages 9 shifted copies)"
-        )
-    if test_time_shift < 0:
-        raise ConfigError(f"module.test_time_shift={test_time_shift} must be >= 0")
 
 
 class ViTClassifier(L.LightningModule):
@@ -116,8 +81,9 @@ class ViTClassifier(L.LightningModule):
     accuracy of the unshifted image alone.
 
     Raises:
-        ConfigError: see :func:`check_module_args`, and for the model
-            :func:`~vit_mnist.models.vit.check_vit_args`.
+        ConfigError: a value that ``ModuleSettings`` (vit_mnist/settings.py) refuses,
+            named as its ``module.*`` key, and for the model
+            :func:`~vit_mnist.models.checks.check_vit_args`.
     """
 
     def __init__(
@@ -133,13 +99,11 @@ class ViTClassifier(L.LightningModule):
         test_time_shift: int = 0,
     ) -> None:
         super().__init__()
-        check_module_args(
-            lr=lr,
-            weight_decay=weight_decay,
-            warmup_epochs=warmup_epochs,
-            min_lr_ratio=min_lr_ratio,
-            label_smoothing=label_smoothing,
-            test_time_shift=test_time_shift,
+        # Each value's type and range: the schema's (ModuleSettings), named as in configs.
+        check_arguments(
+            ModuleSettings,
+            {k: v for k, v in locals().items() if k not in ("self", "model", "__class__")},
+            prefix="module.",
         )
         self.save_hyperparameters()
         self.net = VisionTransformer(**{k: v for k, v in model.items() if k != "compile"})

@@ -21,6 +21,7 @@ from einops import rearrange
 
 from vit_mnist.analysis.heads import gradient_head_importance
 from vit_mnist.models.vit import VisionTransformer
+from vit_mnist.settings import PruneSettings, check_arguments
 
 Head = tuple[int, int]  # (layer, head), head numbered as in the unpruned model
 
@@ -118,7 +119,7 @@ def prune_iteratively(
             validation set (not the test set, which ``score`` reports on).
         score: (pruned model, its arguments) -> (accuracy in [0, 1], mean loss).
         step_fraction: fraction of all heads removed per step, in (0, 1].
-        max_fraction: fraction of all heads to reach, in [0, 1].
+        max_fraction: fraction of all heads to reach, in (0, 1) (each block keeps a head).
         normalise: divide the importance by each layer's l2 norm before ranking.
         device: where to compute the importance (default: the model's device).
 
@@ -129,16 +130,13 @@ def prune_iteratively(
         its arguments.
 
     Raises:
-        ValueError: a fraction out of range, or a model whose blocks differ in head count.
+        ValueError: a model whose blocks differ in head count; ConfigError (a ValueError)
+            a fraction that ``PruneSettings`` (vit_mnist/settings.py) refuses.
     """
     counts = {block.attn.num_heads for block in model.blocks}
     if len(counts) != 1:
         raise ValueError(f"prune_iteratively needs an unpruned model; its heads are {counts}")
-    if not 0 < step_fraction <= 1 or not 0 <= max_fraction <= 1:
-        raise ValueError(
-            f"step_fraction={step_fraction} must be in (0, 1] and max_fraction={max_fraction} "
-            "in [0, 1]"
-        )
+    check_arguments(PruneSettings, {"step_fraction": step_fraction, "max_fraction": max_fraction})
     depth, heads = len(model.blocks), counts.pop()
     total = depth * heads
     per_step = math.ceil(step_fraction * total)

@@ -20,29 +20,40 @@ from einops import rearrange
 from torch import nn
 
 from vit_mnist.errors import ConfigError
-
-# "auto" is kept for checkpoints that stored it: it runs the explicit path.
-ATTENTION_IMPLS: tuple[str, ...] = ("auto", "explicit", "fused")
+from vit_mnist.settings import ModelSettings, check_arguments
 
 
 def check_attention_args(
-    *, embed_dim: int, num_heads: int, impl: str = "explicit", head_dim: int | None = None
+    *,
+    embed_dim: int,
+    num_heads: int,
+    impl: str = "explicit",
+    head_dim: int | None = None,
+    attn_dropout: float = 0.0,
+    proj_dropout: float = 0.0,
 ) -> None:
-    """Raise :class:`ConfigError` (a ``ValueError``) for an impossible attention shape.
+    """Raise :class:`ConfigError` (a ``ValueError``) for an impossible attention layer.
+
+    Each value's type and range is the schema's (``ModelSettings`` in vit_mnist/settings.py,
+    under the names ``attention_impl`` and ``dropout`` for ``impl`` and ``proj_dropout``);
+    what is checked here is the split of the width into heads, which this layer's reshape
+    needs.
 
     Raises:
-        ConfigError: ``embed_dim``, ``num_heads`` or a given ``head_dim`` is not a positive
-            integer, ``embed_dim`` is not a multiple of ``num_heads`` (when ``head_dim`` is
-            None), or ``impl`` is unknown.
+        ConfigError: a value the schema refuses, or ``embed_dim`` not a multiple of
+            ``num_heads`` when ``head_dim`` is None; the message names the values.
     """
-    sizes = (
-        ("embed_dim", embed_dim),
-        ("num_heads", num_heads),
-        ("head_dim", 1 if head_dim is None else head_dim),
+    check_arguments(
+        ModelSettings,
+        {
+            "embed_dim": embed_dim,
+            "num_heads": num_heads,
+            "head_dim": head_dim,
+            "attention_impl": impl,
+            "attn_dropout": attn_dropout,
+            "dropout": proj_dropout,
+        },
     )
-    for name, value in sizes:
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"{name}={value!r} must be a positive integer")
     if head_dim is None and embed_dim % num_heads != 0:
         divisors = [d for d in range(1, embed_dim + 1) if embed_dim % d == 0 and d <= 64]
         raise ConfigError(
@@ -50,8 +61,6 @@ def check_attention_args(
             f"gets embed_dim / num_heads features; pick num_heads from {divisors} "
             f"or an embed_dim that is a multiple of {num_heads}"
         )
-    if impl not in ATTENTION_IMPLS:
-        raise ConfigError(f"attention_impl={impl!r} is unknown; use one of {list(ATTENTION_IMPLS)}")
 
 
 def causal_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor:
@@ -101,7 +110,14 @@ class MultiHeadSelfAttention(nn.Module):
         impl: str = "explicit",
     ) -> None:
         super().__init__()
-        check_attention_args(embed_dim=embed_dim, num_heads=num_heads, impl=impl, head_dim=head_dim)
+        check_attention_args(
+            embed_dim=embed_dim,
+            num_heads=num_heads,
+            impl=impl,
+            head_dim=head_dim,
+            attn_dropout=attn_dropout,
+            proj_dropout=proj_dropout,
+        )
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = head_dim or embed_dim // num_heads

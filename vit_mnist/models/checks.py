@@ -1,6 +1,8 @@
 """Argument checks of the Vision Transformer, run before anything is built.
 
-``train(cfg)`` calls them before any data is loaded, so a bad shape fails in one line.
+``train(cfg)`` calls them before any data is loaded, so a bad shape fails in one line. Each
+value's type and range is the schema's (``ModelSettings`` in vit_mnist/settings.py); what
+is checked here are the combinations that the model's arithmetic needs.
 """
 
 from __future__ import annotations
@@ -9,16 +11,7 @@ from collections.abc import Sequence
 
 from vit_mnist.errors import ConfigError
 from vit_mnist.models.attention import check_attention_args
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name}={value!r} must be a positive integer")
-
-
-def _check_rate(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
-        raise ConfigError(f"{name}={value!r} must be a probability in [0, 1)")
+from vit_mnist.settings import ModelSettings, check_arguments
 
 
 def check_vit_args(
@@ -44,29 +37,20 @@ def check_vit_args(
     Called by the constructor and, before any data is loaded, by ``train(cfg)``.
 
     Raises:
-        ConfigError (a ValueError): the message names the offending values, e.g.
-            ``embed_dim=64 is not divisible by num_heads=3``, or a ``num_heads`` list
-            whose length is not ``depth`` or that comes without ``head_dim``.
+        ConfigError (a ValueError): a value the schema refuses (``dropout=1.5 must be in
+            [0, 1)``), or an impossible combination, naming the values:
+            ``patch_size=5 does not divide img_size=28``, ``embed_dim=64 is not divisible
+            by num_heads=3``, a ``num_heads`` list whose length is not ``depth`` or that
+            comes without ``head_dim``, an MLP of width 0.
     """
-    for name, value in (
-        ("img_size", img_size),
-        ("patch_size", patch_size),
-        ("in_chans", in_chans),
-        ("num_classes", num_classes),
-        ("depth", depth),
-    ):
-        _check_positive_int(name, value)
+    arguments = {k: v for k, v in locals().items()}
+    check_arguments(ModelSettings, arguments)
     if img_size % patch_size != 0:
         divisors = [d for d in range(1, img_size + 1) if img_size % d == 0]
         raise ConfigError(
             f"patch_size={patch_size} does not divide img_size={img_size}: "
             f"use a patch_size from {divisors}"
         )
-    if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, int | float) or mlp_ratio <= 0:
-        raise ConfigError(f"mlp_ratio={mlp_ratio!r} must be a positive number")
-    _check_rate("dropout", dropout)
-    _check_rate("attn_dropout", attn_dropout)
-    _check_rate("drop_path_rate", drop_path_rate)
     if isinstance(num_heads, Sequence) and not isinstance(num_heads, str):
         # One count per block, as a pruned model stores them (Michel et al. 2019, section 4).
         if len(num_heads) != depth:
