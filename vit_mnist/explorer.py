@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 ZOOM = 8  # screen pixels per image pixel of the 28 x 28 input and the explanation maps
 TOP_K = 3  # classes in the prediction panel
+LAUNCH_TRIES = 3
 PREDICTED = -1  # the explanation dropdown's value for "the predicted class"
 # The columns of eval.py's head_importance.csv that the head table shows, in this order.
 HEAD_TABLE_COLUMNS = (
@@ -420,7 +421,10 @@ def build_page(explorer: Explorer):
                         )
                     with gr.Tab("Upload"):
                         upload = gr.File(
-                            file_types=list(IMAGE_SUFFIXES), type="filepath", label="an image"
+                            file_types=list(IMAGE_SUFFIXES),
+                            type="filepath",
+                            label="an image",
+                            elem_id="upload",
                         )
                     with gr.Tab("Test image"):
                         test_max = len(explorer.test_set) - 1 if explorer.test_set else 0
@@ -441,8 +445,9 @@ def build_page(explorer: Explorer):
                         if explorer.examples is not None
                         else []
                     ),
-                    columns=10,
-                    height="auto",
+                    columns=5,
+                    height=260,
+                    object_fit="contain",
                     allow_preview=False,
                     label="examples: the TensorBoard panel's validation digits",
                     visible=explorer.examples is not None,
@@ -618,26 +623,36 @@ def launch(
 ) -> str:
     """Start ``page`` in a background thread; returns its address (``http://host:port/``).
 
-    Telemetry off, the API page and Gradio's footer links off, uploads over
+    Telemetry off, Gradio's footer links (API, settings) off, uploads over
     ``max_upload_mb`` refused, nothing served beyond Gradio's own cache of the pictures
     (``allowed_paths`` stays empty).
     """
     gr = _gradio()
     theme = gr.themes.Default(font=FONTS, font_mono=MONO_FONTS)
-    _, url, _ = page.launch(
-        server_name=server_name,
-        server_port=server_port,
-        prevent_thread_lock=True,
-        quiet=True,
-        share=False,
-        inbrowser=False,
-        max_file_size=f"{max_upload_mb}mb",
-        footer_links=[],
-        ssr_mode=False,
-        mcp_server=False,
-        theme=theme,
-    )
-    return url
+    for attempt in range(LAUNCH_TRIES):
+        try:
+            _, url, _ = page.launch(
+                server_name=server_name,
+                server_port=server_port,
+                prevent_thread_lock=True,
+                quiet=True,
+                share=False,
+                inbrowser=False,
+                max_file_size=int(max_upload_mb * 1024 * 1024),  # bytes
+                footer_links=[],
+                ssr_mode=False,
+                mcp_server=False,
+                theme=theme,
+            )
+            return url
+        except ValueError as e:
+            # Gradio asks its own new server for the page once, with a 3 s timeout, and
+            # gives up when a busy machine answers later: the server is closed and started
+            # again.
+            if "localhost is not accessible" not in str(e) or attempt == LAUNCH_TRIES - 1:
+                raise
+            log.warning("the page did not answer in time; starting it again")
+            page.close()
 
 
 @exit_on_user_error
