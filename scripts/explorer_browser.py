@@ -13,6 +13,7 @@ The helpers here are the ones ``tests/test_explorer_browser.py`` uses.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -108,8 +109,7 @@ def wait_for_summary(page, text: str) -> str:
 def show_test_image(page, index: int) -> str:
     """Type ``index`` into the test-image box; returns the updated summary line."""
     box = page.locator("#test-index input")
-    box.fill(str(index))
-    box.dispatch_event("input")
+    box.fill(str(index))  # one input event, as typing the number and leaving the box
     return wait_for_summary(page, f"test image {index} ")
 
 
@@ -140,9 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {missing}")
         return 2
     from vit_mnist.io import atomic_write_bytes
-    from vit_mnist.speed.hardware import cpu_name
+    from vit_mnist.speed.hardware import cpu_class, cpu_name
 
     torch.set_num_threads(1)  # as scripts/explore.py runs
+    load_before = os.getloadavg()[0]
     with running_explorer(args.ckpt) as (_, url), chromium_page() as page:
         page.goto(url)
         open_test_tab(page)
@@ -152,8 +153,14 @@ def main(argv: list[str] | None = None) -> int:
         show_test_image(page, 0)
         page.locator("#heads-layer-5 label", has_text="head 1").click()
         wait_for_summary(page, "1 head off")
-        page.wait_for_timeout(500)  # the other pictures' loading
+        box = page.locator("#seen img").bounding_box()
+        # A patch left of the middle: the query view shows where it attends.
+        page.locator("#seen img").click(
+            position={"x": box["width"] * 0.4, "y": box["height"] * 0.5}
+        )
+        page.wait_for_timeout(2000)  # the query view's and the other pictures' loading
         png = page.screenshot(full_page=True)
+    load_after = os.getloadavg()[0]
     atomic_write_bytes(Path(args.shot), png)
     import gradio
 
@@ -162,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     text = f"""# The attention explorer: latency
 
 `python scripts/explorer_browser.py {args.ckpt} --shot {args.shot} --report {args.report}`
-on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC: {cpu_name()} ({torch.get_num_threads()}
-torch thread; 2 cores, shared with other programs that were running at the time),
+on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC: {cpu_name()}, class {cpu_class()}
+({torch.get_num_threads()} torch thread; {os.cpu_count()} cores, shared with other programs
+that were running at the time: load average {load_before:.1f} before, {load_after:.1f} after),
 torch {torch.__version__}, Gradio {gradio.__version__}, Python {platform.python_version()},
 headless Chromium on the same machine. {args.caption}
 

@@ -453,13 +453,9 @@ def build_page(explorer: Explorer):
                     visible=explorer.examples is not None,
                 )
             with gr.Column(scale=2):
-                seen = gr.Image(
-                    label="what the model sees (28 x 28); click a patch to query it",
-                    interactive=False,
-                    format="png",
-                    height=240,
-                    elem_id="seen",
-                )
+                # Labels as text above the pictures: Gradio's label sits over the top of one.
+                gr.Markdown("**What the model sees** (28 x 28): click a patch to query it")
+                seen = gr.Image(show_label=False, interactive=False, format="png", elem_id="seen")
                 prediction = gr.Label(num_top_classes=TOP_K, label="prediction")
                 summary = gr.Markdown(elem_id="summary")
             with gr.Column(scale=3):
@@ -489,11 +485,15 @@ def build_page(explorer: Explorer):
             ]
         with gr.Row():
             with gr.Column(scale=1):
+                gr.Markdown(
+                    "**Model view**: the CLS token's attention of every layer (rows) and "
+                    "head, its entropy and mean attention distance"
+                )
                 model_view = gr.Image(
-                    label="model view: CLS attention of every layer (rows) and head, "
-                    "entropy and mean attention distance",
+                    show_label=False,
                     interactive=False,
                     format="png",
+                    height=880,  # the whole grid, unscaled, for six layers of four heads
                     elem_id="model-view",
                 )
             with gr.Column(scale=1):
