@@ -581,17 +581,26 @@ def build_page(explorer: Explorer):
 
         # Gradio finds the event's data by the parameter's annotation, which must be the
         # class itself (this module's annotations are strings).
-        def read_example(_, evt, *values):
-            i = evt.index
+        def read_example(i):
             x, y = explorer.examples[0][i : i + 1], int(explorer.examples[1][i])
-            return new_input(lambda _: (x, f"example {i} (label {names[y]})"))(None, *values)
+            return x, f"example {i} (label {names[y]})"
 
-        read_example.__annotations__ = {"evt": gr.SelectData}
+        def pick_example(_, evt, *values):
+            return new_input(read_example)(evt.index, *values)
+
+        def first_example(*values):
+            # The page opens on the first example, not on empty panels.
+            if explorer.examples is None:
+                return [gr.skip()] * (1 + len(outputs))
+            return new_input(read_example)(0, *values)
+
+        pick_example.__annotations__ = {"evt": gr.SelectData}
         both = [state, *outputs]
-        sketch.input(new_input(read_sketch), [sketch, *controls], both, show_progress="hidden")
+        sketch.change(new_input(read_sketch), [sketch, *controls], both, show_progress="hidden")
         upload.upload(new_input(read_upload), [upload, *controls], both)
         index.input(new_input(read_test), [index, *controls], both, show_progress="hidden")
-        gallery.select(read_example, [gallery, *controls], both, show_progress="hidden")
+        gallery.select(pick_example, [gallery, *controls], both, show_progress="hidden")
+        page.load(first_example, controls, both, show_progress="hidden")
 
         def click(current, evt, *values):
             chosen = explorer.token_at(*evt.index)
@@ -672,6 +681,8 @@ def main(cfg: DictConfig) -> None:
     torch.set_num_threads(1)
     explorer = load_explorer(cfg)
     page = build_page(explorer)
+    # Gradio's requests to its own server are logged by httpx at INFO: not the user's news.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     url = launch(
         page,
         server_name=cfg.server_name,
