@@ -156,7 +156,7 @@ def test_callback_logs_every_layer_and_head(make_train_cfg, extra):
     # CLS token sees only itself, and both rows are the same constant 0 map.
     with Image.open(io.BytesIO(rollout_png)) as picture:
         rollout = torch.from_numpy(np.array(picture.convert("RGB"))).permute(2, 0, 1)
-    rows = tile_rows(rollout, 8, 2)
+    rows = tile_rows(rollout, 10, 2)
     assert torch.equal(rows[0], rows[1]) == bool(extra)
     assert "attention/layer_2" not in images
 

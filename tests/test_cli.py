@@ -179,6 +179,7 @@ CONSOLE_SCRIPTS = {
     "vit-mnist-eval": "eval.py",
     "vit-mnist-predict": "scripts/predict.py",
     "vit-mnist-export": "scripts/export.py",
+    "vit-mnist-explore": "scripts/explore.py",
 }
 
 

@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "vit_mnist.export",
             "vit_mnist.results",
             "vit_mnist.tensorboard_server",
+            "vit_mnist.explorer",
         ],
     ),
     (

@@ -197,3 +197,10 @@ def predict(cfg: DictConfig) -> Any:
 def export(cfg: DictConfig) -> Any:
     """``vit-mnist-export ckpt_path=PATH format=onnx`` = ``python scripts/export.py ...``."""
     return _start("export").main(cfg)
+
+
+@_command_line
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="explore")
+def explore(cfg: DictConfig) -> Any:
+    """``vit-mnist-explore ckpt_path=PATH`` = ``python scripts/explore.py ckpt_path=PATH``."""
+    return _start("explorer").main(cfg)

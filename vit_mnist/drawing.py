@@ -267,6 +267,85 @@ def captioned_grid(
     return torch.from_numpy(np.asarray(canvas).copy()).permute(2, 0, 1)
 
 
+@lru_cache(maxsize=512)
+def _glyph(font: _Font, char: str) -> tuple[Image.Image, int]:
+    """One character of ``font`` as a mask one line box high, and its advance in px."""
+    advance = round(font.font.getlength(char)) if font.freetype else font.width(char)
+    right = font.font.getbbox(char)[2] if font.freetype else advance
+    mask = Image.new("L", (max(advance, right) + 1, font.line_height))
+    if font.freetype:
+        ImageDraw.Draw(mask).text((0, -font._top), char, fill=255, font=font.font)
+    else:
+        canvas = Image.new("RGB", mask.size, "white")
+        font.draw(canvas, (0, 0), char)
+        mask = Image.eval(canvas.convert("L"), lambda v: 255 - v)
+    return mask, advance
+
+
+def _fast_text(font: _Font, canvas: Image.Image, xy: tuple[int, int], text: str) -> None:
+    """Draw ``text`` in black from cached glyphs (no kerning): a page redrawn at every
+    input change sets the same few characters over and over, and FreeType's rendering of
+    each string costs milliseconds."""
+    x, y = xy
+    for char in text:
+        mask, advance = _glyph(font, char)
+        canvas.paste((0, 0, 0), (x, y), mask)
+        x += advance
+
+
+def _fast_width(font: _Font, text: str) -> int:
+    return sum(_glyph(font, char)[1] for char in text)
+
+
+def tile_table(
+    rows: Sequence[torch.Tensor],
+    *,
+    row_labels: Sequence[str],
+    captions: Sequence[Sequence[str]],
+    zoom: int = 4,
+    cap_height: int = 9,
+) -> torch.Tensor:
+    """Lay out rows of tiles with a label left of each row and a caption under each tile.
+
+    Rows may hold different numbers of tiles (a pruned model's blocks have different head
+    counts); the picture is as wide as the longest row. A caption may hold several lines
+    (``"\n"``); each is set smaller where it is wider than its tile.
+
+    Args:
+        rows: one (n_r, 3, H, W) float tensor in [0, 1] per row, all tiles H x W.
+        row_labels: one label per row.
+        captions: ``captions[r][i]`` under tile i of row r.
+        zoom: magnification of each tile.
+        cap_height: height of a capital letter of the text, in px.
+
+    Returns:
+        (3, height, width) uint8.
+    """
+    h, w = (rows[0].shape[-2] * zoom, rows[0].shape[-1] * zoom)
+    font = _font(cap_height)
+    pad = max(2, font.cap_height // 2)
+    lines = max((len(c.split("\n")) for row in captions for c in row), default=0)
+    cell_w, cell_h = w + 2 * pad, h + lines * font.line_height + 2 * pad
+    left = max((_fast_width(font, t) for t in row_labels), default=0) + 2 * pad
+    cols = max(len(r) for r in rows)
+    canvas = Image.new("RGB", (left + cols * cell_w, len(rows) * cell_h), "white")
+    for r, (tiles, label) in enumerate(zip(rows, row_labels, strict=True)):
+        top = r * cell_h + pad
+        _fast_text(font, canvas, (pad, top + h // 2 - font.cap_middle), label)
+        big = F.interpolate(tiles.float(), scale_factor=zoom, mode="nearest")
+        pixels = (big.clamp(0, 1).permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
+        for i, tile in enumerate(pixels):
+            x = left + i * cell_w + pad
+            canvas.paste(Image.fromarray(tile), (x, top))
+            for k, line in enumerate(captions[r][i].split("\n")):
+                small = font
+                while _fast_width(small, line) > w and small.size > 1:
+                    small = _font_of_size(small.size - 1, small.freetype)
+                y = top + h + pad // 2 + k * font.line_height
+                _fast_text(small, canvas, (x + (w - _fast_width(small, line)) // 2, y), line)
+    return _to_tensor(canvas)
+
+
 def grey(images: torch.Tensor) -> torch.Tensor:
     """(N, 1, H, W) images of any normalisation -> (N, 3, H, W) grey in [0, 1]."""
     return _unit(images.float().cpu()).expand(-1, 3, -1, -1)

@@ -43,6 +43,17 @@ log = logging.getLogger(__name__)
 MNIST_BOX = 20  # pixels: MNIST digits fit a 20 x 20 box...
 MNIST_SIZE = 28  # ...centred by centre of mass in a 28 x 28 image,
 MNIST_CENTRE = 14.0  # at this row and column index.
+# What reading one image can raise that means a bad file, not a bug: besides OSError, PIL
+# raises SyntaxError and EOFError for some malformed files (APNG frames, a JPEG's MP index)
+# and DecompressionBombError beyond twice its pixel limit; mnist_preprocess ValueError.
+UNREADABLE = (
+    OSError,
+    SyntaxError,
+    EOFError,
+    ValueError,
+    UnidentifiedImageError,
+    Image.DecompressionBombError,
+)
 
 # What a folder or a pattern contributes: the suffixes PIL decodes in every install.
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
@@ -476,17 +487,7 @@ def _predict_batch(
     for index, path in enumerate(paths):
         try:
             inputs.append(_read_image(path))
-        # Besides OSError, PIL raises SyntaxError and EOFError for some malformed files
-        # (APNG frames, a JPEG's MP index) and DecompressionBombError beyond twice its
-        # pixel limit: each is one bad file, not a bug.
-        except (
-            OSError,
-            SyntaxError,
-            EOFError,
-            ValueError,
-            UnidentifiedImageError,
-            Image.DecompressionBombError,
-        ) as e:
+        except UNREADABLE as e:
             results.append(Prediction(path=path, top=[], error=f"{type(e).__name__}: {e}"))
             continue
         if index < draw:

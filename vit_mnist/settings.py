@@ -354,12 +354,27 @@ class ExportSettings:
     paths: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class ExploreSettings:
+    """``python scripts/explore.py`` (configs/explore.yaml)."""
+
+    task_name: str = _setting()
+    ckpt_path: str = _setting(example="ckpt_path=latest")
+    heads_csv: str | None = _setting(example="heads_csv=<eval run>/head_importance.csv")
+    server_name: str = _setting(example="server_name=127.0.0.1")
+    server_port: int | None = _setting(ge=1, le=65535, example="server_port=7860")
+    max_upload_mb: float = _setting(gt=0, example="max_upload_mb=10")
+    data: DataSettings | None = None
+    paths: dict[str, Any] = field(default_factory=dict)
+
+
 # The settings of each command, by the name of its function in vit_mnist.cli.
 SETTINGS: dict[str, type] = {
     "train": TrainSettings,
     "evaluate": EvalSettings,
     "predict": PredictSettings,
     "export": ExportSettings,
+    "explore": ExploreSettings,
 }
 
 # Keys of earlier versions, and what replaced them.
@@ -684,6 +699,7 @@ def _target_args(node: dict[str, Any]) -> list[str]:
 
 __all__ = [
     "EvalSettings",
+    "ExploreSettings",
     "ExportSettings",
     "PredictSettings",
     "RETIRED",

@@ -8,7 +8,9 @@
 - :mod:`vit_mnist.analysis.pruning`: head pruning, heads cut out of the weights (Michel et
   al. 2019, section 4);
 - :mod:`vit_mnist.analysis.faithfulness`: the perturbation test of explanations;
-- :mod:`vit_mnist.analysis.per_class`: per-class metrics, confusion matrix, errors.
+- :mod:`vit_mnist.analysis.per_class`: per-class metrics, confusion matrix, errors;
+- :mod:`vit_mnist.analysis.explain`: all of the above for one image with heads switched
+  off, as the explorer shows it.
 
 Each function takes any :class:`~vit_mnist.models.vit.VisionTransformer` and any batch.
 """
@@ -21,21 +23,30 @@ from vit_mnist.analysis.attention import (
     head_statistics,
     mean_attention_distance,
 )
+from vit_mnist.analysis.explain import ImageExplanation, explain_image
 from vit_mnist.analysis.faithfulness import explanation_maps, perturbation_test
-from vit_mnist.analysis.heads import gradient_head_importance, head_importance, heads_zeroed
+from vit_mnist.analysis.heads import (
+    gradient_head_importance,
+    head_importance,
+    heads_switched_off,
+    heads_zeroed,
+)
 from vit_mnist.analysis.pruning import prune_heads, prune_iteratively
 from vit_mnist.analysis.relevance import class_relevance
 
 __all__ = [
+    "ImageExplanation",
     "attention_entropy",
     "attention_report",
     "attention_rollout",
     "class_relevance",
+    "explain_image",
     "cls_attention",
     "explanation_maps",
     "gradient_head_importance",
     "head_importance",
     "head_statistics",
+    "heads_switched_off",
     "heads_zeroed",
     "mean_attention_distance",
     "perturbation_test",

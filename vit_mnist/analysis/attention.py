@@ -97,17 +97,19 @@ def mean_attention_distance(
     return (w * dist).sum(dim=-1).mean(dim=(0, 2))
 
 
-def cls_attention(weights: torch.Tensor, grid_size: int) -> torch.Tensor:
-    """The CLS token's attention over the patches, as images.
+def cls_attention(weights: torch.Tensor, grid_size: int, token: int = 0) -> torch.Tensor:
+    """The CLS token's attention over the patches, as images; or another query token's.
 
     Args:
         weights: (batch, heads, 1 + grid_size**2, 1 + grid_size**2), or
             (batch, tokens, tokens) for a rollout.
+        token: the query token whose row is taken: 0 = CLS, 1 + r * grid_size + c = the
+            patch in row r, column c.
 
     Returns:
         (batch, heads, grid_size, grid_size), or (batch, grid_size, grid_size).
     """
-    return rearrange(weights[..., 0, 1:], "... (gh gw) -> ... gh gw", gh=grid_size)
+    return rearrange(weights[..., token, 1:], "... (gh gw) -> ... gh gw", gh=grid_size)
 
 
 # ----------------------------------------------------------------------------- report
@@ -187,6 +189,7 @@ def attention_report(
     class_names: Sequence[str] | None = None,
     zoom: int = 3,
     relevance: bool = True,
+    pictures: bool = True,
 ) -> AttentionReport:
     """Run ``model`` on ``images`` through the explicit attention path and draw what it sees.
 
@@ -203,6 +206,8 @@ def attention_report(
         class_names: names for integer labels (e.g. Fashion-MNIST's).
         zoom: magnification of each 28 x 28 tile in the pictures.
         relevance: also compute the relevance maps and draw them under the rollout.
+        pictures: draw ``layer_grids``, ``matrices`` and ``rollout``; False leaves them
+            empty (None) and returns the numbers only, for a caller that draws its own.
 
     Returns:
         An :class:`AttentionReport`.
@@ -239,6 +244,12 @@ def attention_report(
     ]
     report = AttentionReport(weights=weights, logits=logits.float().cpu())
     for layer, w in enumerate(weights):
+        report.entropy.append(attention_entropy(w))
+        report.distance.append(
+            mean_attention_distance(w, grid_size=grid_size, patch_size=patch_size)
+        )
+        if not pictures:
+            continue
         heads = w.shape[1]
         maps = cls_attention(w, grid_size)  # (N, heads, g, g)
         tiles = rearrange(
@@ -258,16 +269,15 @@ def attention_report(
         report.matrices.append(
             [(colorize(w[0, h][None])[0] * 255).round().to(torch.uint8) for h in range(heads)]
         )
-        report.entropy.append(attention_entropy(w))
-        report.distance.append(
-            mean_attention_distance(w, grid_size=grid_size, patch_size=patch_size)
-        )
+    if relevance:
+        # The classes of the forward pass above, so the row explains the label's ">7".
+        report.relevance, _ = class_relevance(model, images, logits.argmax(dim=-1).cpu())
+    if not pictures:
+        return report
     rollout_maps = cls_attention(attention_rollout(weights), grid_size)  # (N, g, g)
     rows, row_labels = [overlay(images, rollout_maps)], ["rollout"]
     title = "attention rollout (Abnar and Zuidema 2020), true>predicted"
     if relevance:
-        # The classes of the forward pass above, so the row explains the label's ">7".
-        report.relevance, _ = class_relevance(model, images, logits.argmax(dim=-1).cpu())
         rows.append(overlay(images, report.relevance))
         row_labels.append("relevance")
         title = "rollout and relevance of the predicted class (Chefer et al. 2021), true>predicted"

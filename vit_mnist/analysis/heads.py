@@ -5,7 +5,7 @@ Really Better than One?", eq. 1 and 2), and its picture."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import lightning as L
@@ -39,6 +39,28 @@ def heads_zeroed(model: VisionTransformer, layer: int, heads: Sequence[int]):
         yield
     finally:
         handle.remove()
+
+
+@contextmanager
+def heads_switched_off(model: VisionTransformer, heads: Iterable[tuple[int, int]]):
+    """Inside the block, every ``(layer, head)`` of ``heads`` outputs zeros: the head mask
+    of ``eval.py analysis=heads`` (:func:`heads_zeroed`), for any heads of any layers at
+    once. Heads are numbered within their block, as in ``model`` (a pruned model's block
+    numbers its remaining heads 0, 1, ...).
+
+    Raises:
+        ValueError: a (layer, head) that ``model`` does not have.
+    """
+    by_layer: dict[int, list[int]] = {}
+    counts = [block.attn.num_heads for block in model.blocks]
+    for layer, head in heads:
+        if not (0 <= layer < len(counts) and 0 <= head < counts[layer]):
+            raise ValueError(f"no head {layer}:{head} in a model with heads {counts}")
+        by_layer.setdefault(layer, []).append(head)
+    with ExitStack() as stack:
+        for layer, chosen in by_layer.items():
+            stack.enter_context(heads_zeroed(model, layer, chosen))
+        yield
 
 
 def gradient_head_importance(

@@ -17,13 +17,37 @@ from vit_mnist.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
+def panel_indices(labels: torch.Tensor, num_images: int) -> list[int]:
+    """Indices of a panel of ``num_images`` images, one per class where possible.
+
+    Round-robin over the classes in order: the first image of class 0, of class 1, ...,
+    then the second image of each class, until the panel is full. The TensorBoard panel
+    and the explorer's examples are this panel of the validation set, so the two show the
+    same digits.
+
+    Args:
+        labels: (N,) integer classes, in the dataset's order.
+        num_images: panel size; fewer when the dataset is smaller.
+    """
+    by_class = [torch.nonzero(labels == c).flatten().tolist() for c in labels.unique().tolist()]
+    chosen: list[int] = []
+    depth = 0
+    while len(chosen) < min(num_images, len(labels)):
+        for indices in by_class:
+            if depth < len(indices) and len(chosen) < num_images:
+                chosen.append(indices[depth])
+        depth += 1
+    return chosen
+
+
 class AttentionMapLogger(L.Callback):
     """Every ``every_n_epochs`` validation epochs and at the end of fitting, log what the
     heads of every layer attend to on a fixed panel of validation images.
 
-    The panel is chosen once: the first validation image of each class in turn (one per
-    class where possible), then the next ones, ``num_images`` in all; the validation set
-    is not shuffled, so it is the same panel every epoch and every run.
+    The panel is chosen once (:func:`panel_indices`): the first validation image of each
+    class in turn (one per class where possible), then the next ones, ``num_images`` in
+    all; the validation set is not shuffled, so it is the same panel every epoch and every
+    run, and the explorer's first examples.
 
     The maps come from the explicit attention path, in eval mode, on the panel only, after
     the validation epoch: the training step keeps whatever attention implementation was
@@ -52,7 +76,7 @@ class AttentionMapLogger(L.Callback):
         ConfigError: ``num_images`` or ``every_n_epochs`` below 1.
     """
 
-    def __init__(self, *, num_images: int = 8, every_n_epochs: int = 1, zoom: int = 3) -> None:
+    def __init__(self, *, num_images: int = 10, every_n_epochs: int = 1, zoom: int = 3) -> None:
         if num_images < 1 or every_n_epochs < 1:
             raise ConfigError(
                 f"callbacks.attention_maps: num_images={num_images} and "
@@ -74,16 +98,7 @@ class AttentionMapLogger(L.Callback):
             if tensors
             else torch.tensor([int(dataset[i][1]) for i in range(len(dataset))])
         )
-        chosen: list[int] = []
-        # Round-robin over the classes: first image of class 0, of class 1, ..., then the
-        # second image of each class, until the panel is full.
-        by_class = [torch.nonzero(labels == c).flatten().tolist() for c in labels.unique().tolist()]
-        depth = 0
-        while len(chosen) < min(self.num_images, len(labels)):
-            for indices in by_class:
-                if depth < len(indices) and len(chosen) < self.num_images:
-                    chosen.append(indices[depth])
-            depth += 1
+        chosen = panel_indices(labels, self.num_images)
         images = torch.stack([torch.as_tensor(dataset[i][0]) for i in chosen])
         return images, labels[chosen]
 

@@ -1,0 +1,215 @@
+"""The attention explorer's panels compute what the analysis functions compute: a head
+switched off is ``analysis=heads``' ablation, the model view is ``attention_report``'s
+weights, the relevance of a chosen class is ``class_relevance``'s; pruned checkpoints,
+inputs and settings. The page in a real browser: tests/test_explorer_browser.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.conftest import ROOT, compose_config
+from tests.test_predict import draw_digit
+from vit_mnist.analysis.attention import attention_report, cls_attention
+from vit_mnist.analysis.heads import heads_switched_off, heads_zeroed
+from vit_mnist.analysis.pruning import prune_heads
+from vit_mnist.analysis.relevance import class_relevance
+from vit_mnist.callbacks.attention_maps import panel_indices
+from vit_mnist.errors import ConfigError
+from vit_mnist.explorer import Explorer, load_explorer, main, original_heads, read_head_table
+from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
+from vit_mnist.settings import ExploreSettings, check_settings
+
+MODEL = {"embed_dim": 32, "depth": 3, "num_heads": 4, "patch_size": 7}
+
+
+def tiny_module(seed: int = 0) -> ViTClassifier:
+    """An untrained tiny model whose heads all matter: weights far from the 0.02 init."""
+    torch.manual_seed(seed)
+    module = ViTClassifier(model=dict(MODEL))
+    with torch.no_grad():
+        for p in module.net.parameters():
+            p.normal_(0, 0.3)
+    return module.eval()
+
+
+def save_ckpt(path: Path, module: ViTClassifier, **extra) -> Path:
+    """A checkpoint as train.py writes one, with the synthetic dataset's config."""
+    data = OmegaConf.to_container(OmegaConf.load(ROOT / "configs/data/synthetic.yaml"))
+    torch.save(
+        {
+            "state_dict": module.state_dict(),
+            "hyper_parameters": dict(module.hparams),
+            "pytorch-lightning_version": L.__version__,
+            RUN_INFO_KEY: {"data": data},
+            **extra,
+        },
+        path,
+    )
+    return path
+
+
+def explore_cfg(tmp_path: Path, *overrides: str):
+    return compose_config("explore", list(overrides), tmp_path / "run")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One image at a time, as the explorer runs (scripts/explore.py sets one thread): a
+    second thread only waits for the first, and on a busy machine for much longer."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    return save_ckpt(tmp_path_factory.mktemp("ckpt") / "tiny.ckpt", tiny_module())
+
+
+@pytest.fixture(scope="module")
+def explorer(tiny_ckpt, tmp_path_factory) -> Explorer:
+    return load_explorer(explore_cfg(tmp_path_factory.mktemp("x"), f"ckpt_path={tiny_ckpt}"))
+
+
+def an_image(explorer: Explorer) -> torch.Tensor:
+    return explorer.from_test(3)[0]
+
+
+def test_a_head_switched_off_gives_the_ablation_logits(explorer):
+    model, x = explorer.model, an_image(explorer)
+    # The page's check boxes: every head on but head 2 of layer 1.
+    checked = [[0, 1, 2, 3], [0, 1, 3], [0, 1, 2, 3]]
+    assert explorer.heads_off(checked) == [(1, 2)]
+    view = explorer.view(x, heads_off=explorer.heads_off(checked))
+    with torch.no_grad():
+        with heads_zeroed(model, 1, [2]):  # eval.py analysis=heads' ablation
+            ablated = model(x)[0]
+        plain = model(x)[0]
+    torch.testing.assert_close(view.explanation.logits, ablated, atol=1e-5, rtol=1e-5)
+    assert (view.explanation.logits - plain).abs().max() > 1e-3  # the head mattered
+    torch.testing.assert_close(view.explanation.base_probs, plain.softmax(-1))
+    assert "1 head off" in view.summary and "points" in view.summary
+    assert "head 2 OFF" not in view.summary  # captions belong to the picture, not the text
+    # Two heads of two layers at once: the nested masks of heads_switched_off.
+    two = explorer.view(x, heads_off=[(0, 1), (2, 3)]).explanation.logits
+    with torch.no_grad(), heads_zeroed(model, 0, [1]), heads_zeroed(model, 2, [3]):
+        torch.testing.assert_close(two, model(x)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_model_view_is_attention_reports_weights(explorer):
+    model, x = explorer.model, an_image(explorer)
+    view = explorer.view(x, layer=2, token=6, matrix_head=1)
+    report = attention_report(model, x)
+    e = view.explanation
+    for layer, w in enumerate(report.weights):
+        torch.testing.assert_close(e.cls_maps[layer], cls_attention(w, 4)[0])
+        torch.testing.assert_close(e.entropy[layer], report.entropy[layer])
+        torch.testing.assert_close(e.distance[layer], report.distance[layer])
+    # The query view: patch (1, 1) is token 6; its row of layer 2, per head.
+    torch.testing.assert_close(e.token_maps(2, 6), report.weights[2][0, :, 6, 1:].reshape(4, 4, 4))
+    assert view.seen.shape == (224, 224, 3) and view.seen.dtype.name == "uint8"
+    assert view.model_view.shape[0] > 3 * 112 and view.model_view.shape[2] == 3
+    assert view.matrix is not None and view.matrix.shape[0] == view.matrix.shape[1] >= 17 * 2
+    assert explorer.view(x).matrix is None
+    assert list(view.top) == [explorer.class_names[int(c)] for c in e.probs.topk(3).indices]
+
+
+def test_relevance_of_a_chosen_class_is_class_relevance(explorer):
+    model, x = explorer.model, an_image(explorer)
+    view = explorer.view(x)
+    predicted = view.explanation.predicted
+    other = (predicted + 1) % 10
+    torch.testing.assert_close(view.explanation.relevance, class_relevance(model, x)[0][0])
+    assert view.explanation.target == predicted
+    chosen = explorer.view(x, target=other).explanation
+    assert chosen.target == other
+    torch.testing.assert_close(chosen.relevance, class_relevance(model, x, target=other)[0][0])
+    assert not torch.equal(chosen.relevance, view.explanation.relevance)
+    # With a head off, the relevance is that of the ablated model.
+    off = explorer.view(x, heads_off=[(0, 0)], target=other).explanation
+    with heads_switched_off(model, [(0, 0)]):
+        torch.testing.assert_close(off.relevance, class_relevance(model, x, target=other)[0][0])
+
+
+def test_a_pruned_checkpoint_shows_its_remaining_heads(tmp_path):
+    module = tiny_module()
+    net, args = prune_heads(module.net, MODEL, [(0, 1), (0, 3), (2, 0)])
+    pruned = ViTClassifier(model=args)
+    pruned.net.load_state_dict(net.state_dict())
+    path = save_ckpt(tmp_path / "pruned.ckpt", pruned, pruned_heads=["0:1 2:0", "0:3"])
+    explorer = load_explorer(explore_cfg(tmp_path, f"ckpt_path={path}"))
+    assert explorer.head_names == [[0, 2], [0, 1, 2, 3], [1, 2, 3]]
+    assert original_heads(torch.load(path, weights_only=True)) == explorer.head_names
+    x = an_image(explorer)
+    view = explorer.view(x, heads_off=[(2, 0)], layer=0, matrix_head=1)
+    assert [m.shape[0] for m in view.explanation.cls_maps] == [2, 4, 3]
+    # Switching off the pruned model's head 0 of layer 2 (head 1 before pruning) is
+    # switching off heads 0:1, 0:3, 2:0 and 2:1 of the unpruned model.
+    with torch.no_grad(), heads_switched_off(module.net, [(0, 1), (0, 3), (2, 0), (2, 1)]):
+        full = module.net(x)[0]
+    torch.testing.assert_close(view.explanation.logits, full, atol=1e-5, rtol=1e-5)
+
+
+def test_inputs_are_read_as_predict_reads_them(explorer, tmp_path):
+    x = explorer.from_file(draw_digit(tmp_path / "seven.png", seed=1))
+    assert x.shape == (1, 1, 28, 28)
+    assert float(x.max()) == pytest.approx((1 - 0.1307) / 0.3081, abs=1e-4)
+    fake = tmp_path / "fake.png"
+    fake.write_text("not an image")
+    with pytest.raises(ValueError, match="fake.png cannot be read"):
+        explorer.from_file(fake)
+    with pytest.raises(ValueError, match="notes.txt: not one of"):
+        explorer.from_file(tmp_path / "notes.txt")
+    from PIL import Image
+
+    assert explorer.from_sketch({"composite": Image.new("RGBA", (50, 50))}) is None  # blank
+    assert explorer.from_sketch(None) is None
+    with pytest.raises(ValueError, match="choose 0 to 127"):
+        explorer.from_test(128)
+    # A click at pixel (x=60, y=200) of the 224-px picture is patch row 3, column 1.
+    assert explorer.token_at(60, 200) == 1 + 3 * 4 + 1
+
+
+def test_the_examples_are_the_tensorboard_panel(explorer, tiny_ckpt, tmp_path):
+    images, labels = explorer.examples
+    assert labels.tolist() == list(range(10))
+    cfg = explore_cfg(tmp_path, f"ckpt_path={tiny_ckpt}")
+    from vit_mnist.checkpointing import checkpoint_datamodule, read_checkpoint
+
+    dm = checkpoint_datamodule(cfg, tiny_ckpt, read_checkpoint(tiny_ckpt)[RUN_INFO_KEY])
+    dm.setup("fit")
+    val_labels = dm.data_val.tensors[1]
+    chosen = panel_indices(val_labels, 10)
+    torch.testing.assert_close(images, dm.data_val.tensors[0][chosen].float())
+
+
+def test_head_table_from_eval_csv(tmp_path):
+    path = tmp_path / "head_importance.csv"
+    path.write_text(
+        "layer,head,acc,loss,acc_drop,loss_increase,grad_importance,entropy_nats,"
+        "mean_distance_px\n0,0,0.9,0.3,0.01,0.1,0.2,1.5,7.0\n0,1,0.8,0.4,0.11,0.2,0.3,1.2,5.0\n"
+    )
+    table = read_head_table(path)
+    assert [row[:3] for row in table] == [[0, 1, 11.0], [0, 0, 1.0]]
+    with pytest.raises(ConfigError, match="heads_csv=.*missing.csv cannot be read"):
+        read_head_table(tmp_path / "missing.csv")
+
+
+def test_settings_and_errors(tmp_path, tiny_ckpt, capsys):
+    cfg = explore_cfg(tmp_path, f"ckpt_path={tiny_ckpt}")
+    values = check_settings(cfg, ExploreSettings)
+    assert values["server_name"] == "127.0.0.1" and values["heads_csv"] is None
+    with pytest.raises(ConfigError, match="server_port=0 must be in"):
+        check_settings(explore_cfg(tmp_path, "ckpt_path=x", "server_port=0"), ExploreSettings)
+    with pytest.raises(SystemExit) as e:
+        main(explore_cfg(tmp_path, f"ckpt_path={tmp_path / 'nothing.ckpt'}"))
+    assert e.value.code == 2 and "nothing.ckpt does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(explore_cfg(tmp_path, f"ckpt_path={tiny_ckpt}", f"heads_csv={tmp_path / 'h.csv'}"))
+    assert e.value.code == 2 and "h.csv cannot be read" in capsys.readouterr().err
