@@ -436,7 +436,7 @@ def test_timing_interleaves_every_candidate_over_every_round(monkeypatch):
     net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
     pairs = [("reference", "32-true"), ("slow", "32-true")]
     speeds = choose_mod.time_candidates(
-        net, pairs, device=CPU, batch_size=4, rounds=3, steps=2, min_round_s=0.0
+        net, pairs, device=CPU, batch_size=4, rounds=3, steps=2, min_round_s=0.0, budget_s=1e9
     )
     # A step of the slow path sleeps 0.1 s: its best round cannot beat 4 images / 0.1 s.
     assert 0 < speeds["slow 32-true"] <= 4 / 0.1 and speeds["reference 32-true"] > 0
@@ -456,25 +456,44 @@ def test_a_single_candidate_is_timed_over_every_round(monkeypatch):
     steps: dict[str, int] = {}
     monkeypatch.setattr(choose_mod, "PATHS", {"reference": _counted_path("reference", steps)})
     net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
+    pair = ("reference", "32-true")
     choose_mod.time_candidates(
-        net, [("reference", "32-true")], device=CPU, batch_size=4, rounds=3, steps=2, min_round_s=0
+        net, [pair], device=CPU, batch_size=4, rounds=3, steps=2, min_round_s=0, budget_s=1e9
     )
     assert steps["reference"] == 1 + 3 * 2  # the first step, then three rounds of two
 
 
 def test_short_steps_are_timed_in_rounds_of_min_round_s(monkeypatch):
+    """A 20 ms step, as a GPU's, on a clock that only the steps move (so the machine's
+    load cannot change the count): rounds of 0.1 s, not of 2 steps."""
+    import dataclasses
+    from types import SimpleNamespace
+
     steps: dict[str, int] = {}
-    # A 20 ms step, as a GPU's.
-    monkeypatch.setattr(choose_mod, "PATHS", {"reference": _counted_path("reference", steps, 0.02)})
+    clock = [0.0]
+    counted = _counted_path("reference", steps)
+
+    def build(net):
+        forward = counted.build(net)
+
+        def step(x):
+            clock[0] += 0.02
+            return forward(x)
+
+        return step
+
+    monkeypatch.setattr(
+        choose_mod, "PATHS", {"reference": dataclasses.replace(counted, build=build)}
+    )
+    monkeypatch.setattr(choose_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
     pair = ("reference", "32-true")
     speeds = choose_mod.time_candidates(
         net, [pair], device=CPU, batch_size=4, rounds=2, steps=2, min_round_s=0.1
     )
-    # The first step, then rounds of about 0.1 s: at most 5 steps of 20 ms and more; the
-    # second round's at least 4, sized by the first round's measured steps.
-    assert 1 + 2 + 4 <= steps["reference"] <= 1 + 2 * 5
-    assert speeds["reference 32-true"] < 4 / 0.02
+    # The first step, then two rounds of 0.1 s / 20 ms = 5 steps.
+    assert steps["reference"] == 1 + 5 + 5
+    assert speeds["reference 32-true"] == pytest.approx(4 / 0.02)
 
 
 def test_prepare_speed_sets_the_step_and_leaves_the_checkpoint_keys_alone(tmp_path, monkeypatch):

@@ -266,6 +266,7 @@ def model_to_start_from(cfg: DictConfig) -> dict[str, torch.Tensor] | None:
     ckpt = read_checkpoint(path)
     with open_dict(cfg):
         cfg.model = OmegaConf.create(ckpt["hyper_parameters"]["model"])
-    log.info("init_from=%s: model %s, training from epoch 0", path, dict(cfg.model))
+    model = OmegaConf.to_container(cfg.model)
+    log.info("init_from=%s: model %s, training from epoch 0", path, model)
     prefix = "net."
     return {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
