@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -214,6 +215,13 @@ def test_auto_leaves_out_what_cannot_run_or_compiles(monkeypatch):
 def test_auto_measures_picks_the_fastest_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
     monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: False)
+    # Real timing, one round of one step: the rounds have tests of their own. No native
+    # paths: their kernels would be built afresh into this test's cache folder.
+    monkeypatch.setattr("vit_mnist.speed.native.isa_class", lambda: "ARM")
+    real = choose_mod.time_candidates
+    monkeypatch.setattr(
+        choose_mod, "time_candidates", functools.partial(real, rounds=1, steps=1, min_round_s=0)
+    )
     torch.manual_seed(0)
     net = VisionTransformer(patch_size=7, **TINY)
     state = {k: v.clone() for k, v in net.state_dict().items()}
@@ -321,6 +329,9 @@ def test_handwritten_core_under_bf16_autocast_matches_float32():
 def test_a_damaged_cache_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
     monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: False)
+    monkeypatch.setattr(
+        choose_mod, "time_candidates", lambda net, pairs, **k: {f"{p} {q}": 1.0 for p, q in pairs}
+    )
     net = VisionTransformer(patch_size=7, **TINY)
     args = dict(model_args=TINY, device=CPU, batch_size=8)
     pairs = choose_mod.candidates(CPU, "auto", "auto", False)[0]
@@ -496,7 +507,7 @@ def test_short_steps_are_timed_in_rounds_of_min_round_s(monkeypatch):
     assert speeds["reference 32-true"] == pytest.approx(4 / 0.02)
 
 
-def test_prepare_speed_sets_the_step_and_leaves_the_checkpoint_keys_alone(tmp_path, monkeypatch):
+def test_prepare_speed_sets_the_step_and_leaves_the_checkpoint_keys_alone():
     """The speed layer sets one plain attribute of the LightningModule: the state dict (so
     every checkpoint) holds the same keys on every path, net.* and no copy under another
     name."""
@@ -504,7 +515,6 @@ def test_prepare_speed_sets_the_step_and_leaves_the_checkpoint_keys_alone(tmp_pa
 
     from vit_mnist.module import ViTClassifier
 
-    monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
     model = dict(patch_size=7, **TINY)
     module = ViTClassifier(model=model)
     keys = set(module.state_dict())
