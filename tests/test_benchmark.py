@@ -59,7 +59,7 @@ def test_benchmark_writes_one_section_per_hardware_class(benchmark, tmp_path, mo
     from vit_mnist.speed.hardware import isa_class
 
     assert f"class {isa_class()}" in text and "torch " in text
-    assert "Malloc: system (forced), for every row" in text
+    assert "Malloc" not in text  # the allocator choice is gone (docs/speed.md)
     # The other class's section is kept; a second run's section replaces this class's, not
     # adds one (main writes merge(file, section), as above).
     assert "## CPU: Other, class AVX2; patch 4" in text
