@@ -11,10 +11,10 @@ Every implementation is built with the same architecture (image 28, 1 channel, 1
 class token, the same patch size, embed_dim, depth, heads and MLP width), trained with
 AdamW on the same random batch at the same precision, in this one process. Ours runs once
 per speed path (vit_mnist/speed: the same model and parameters, only the way the step is
-computed differs), and as `auto`: the path that ``speed.path=auto`` picks here for a
-default ``train.py`` run, on a machine that has compiled nothing yet and on one that has
-compiled the model before (timed afresh, not from the cache; docs/speed.md says why the
-two differ), whose row is that path's own. After warm-up steps the implementations take
+computed differs), and as `auto`: the path that ``speed.path=auto`` picks here (timed
+afresh, not from the cache), with the default ``speed.compile=false`` and, where the
+architecture has compiled rows, with ``speed.compile=true``; its row is that path's own.
+After warm-up steps the implementations take
 turns, in the opposite order every other repetition: each repetition times `--steps`
 training steps (forward, cross-entropy, backward, fused AdamW step) of every
 implementation in turn, so a drift in the machine's speed touches all of them alike. The
@@ -54,8 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vit_mnist.models import VisionTransformer
-from vit_mnist.speed.allocator import MODES, current_mode
-from vit_mnist.speed.choose import CompileRecord, choose, choose_allocator
+from vit_mnist.speed.choose import choose
 from vit_mnist.speed.hardware import cpu_class, cpu_name, has_native_bf16, isa_class
 from vit_mnist.speed.paths import PATHS, compile_settings
 
@@ -245,46 +244,17 @@ def build(builder, arch: dict, device: torch.device, bf16: bool, batch: int) -> 
     return Trainer(model, optimizer, images, labels, device, bf16)
 
 
-TRAIN_IMAGES = 55_000  # MNIST's training split; --run-epochs of it make the run auto plans for
-RUN_EPOCHS = 20  # --run-epochs sets it; python train.py's default
-
-
-def set_allocator(mode: str, device: torch.device, batch: int) -> tuple[str, dict, str]:
-    """Set the ``malloc`` mode every row runs under (``speed.allocator``; the peers' rows
-    too, as it is the process's). ``auto`` times it on ``handwritten`` in fp32 at the
-    default architecture (now, the cache unused), as train.py's ``auto`` does before it
-    times the paths. Returns what choose_allocator does."""
-    arch = ARCHS["default"]
-    return choose_allocator(
-        reference_vit(**arch),
-        ("handwritten", "32-true"),
-        mode,
-        device=device,
-        model_args={**arch, "patch_size": PATCH},
-        batch_size=batch,
-        use_cache=False,
-    )
-
-
-def auto_choice(arch: dict, device: torch.device, bf16: bool, batch: int, compiled_before: bool):
-    """What ``speed.path=auto`` picks here at this precision for the default run's length
-    (timed now, the choice cache unused): on a first run on this machine (nothing compiled
-    yet), or once this machine has compiled the model (its compile then takes seconds, so
-    auto compares the compiled paths too: as ``speed.auto_compile=true``)."""
-    net = reference_vit(**arch)
-    precision = "bf16-mixed" if bf16 else "32-true"
-    steps = -(-TRAIN_IMAGES // batch) * RUN_EPOCHS
+def auto_choice(arch: dict, device: torch.device, bf16: bool, batch: int, compiled: bool):
+    """What ``speed.path=auto`` picks here at this precision (timed now, the choice cache
+    unused), with ``speed.compile`` set to ``compiled``."""
     return choose(
-        net,
+        reference_vit(**arch),
         model_args={**arch, "patch_size": PATCH},
         device=device,
         batch_size=batch,
-        precision=precision,
-        include_compiled=True if compiled_before else "auto",
-        planned_steps=steps,
+        precision="bf16-mixed" if bf16 else "32-true",
+        include_compiled=compiled,
         use_cache=False,
-        record=CompileRecord({}, {}, 0.0),
-        allocator=current_mode(),  # set_allocator's, for every row alike
     )
 
 
@@ -348,13 +318,11 @@ def run_row(device, bf16, arch, *, batch, steps, reps, warmup, compile_too, warm
             trainers.pop(name, None)
             warmup_s[name] = f"failed ({type(e).__name__}), row left out"
             print(f"warning: {name} left out: {type(e).__name__}: {e}"[:300], file=sys.stderr)
-    # auto on a first run of the planned length; and, where this architecture has compiled
-    # rows, once the model has been compiled here: the rows above compiled it, so auto's
-    # own compiles take seconds, as they would for that user.
-    first = auto_choice(arch, device, bf16, batch, compiled_before=False)
-    choices = {"auto, first run": first}
+    # auto as a default run chooses; and, where this architecture has compiled rows, with
+    # speed.compile=true (the rows above compiled it, so auto's own compiles take seconds).
+    choices = {"auto": auto_choice(arch, device, bf16, batch, compiled=False)}
     if compile_too:
-        choices["auto, compiled before"] = auto_choice(arch, device, bf16, batch, True)
+        choices["auto, speed.compile=true"] = auto_choice(arch, device, bf16, batch, True)
     for choice in choices.values():
         if f"ours ({choice.path})" not in trainers:
             add(f"ours ({choice.path})", ours(choice.path))
@@ -405,40 +373,25 @@ def versions_line() -> str:
     return "; ".join(parts)
 
 
-def allocator_line(allocator: tuple[str, dict, str]) -> str:
-    mode, figures, how = allocator
-    timed = ", ".join(f"{k} {v:,.0f}" for k, v in figures.items())
-    return (
-        f"malloc: {mode} ({how}{'; handwritten, fp32, images/s: ' + timed if timed else ''}), "
-        "for every row (vit_mnist/speed/allocator.py; the peers' rows run under it too)"
-    )
-
-
-def markdown_section(results, choices, args, cuda: bool, warmups: dict, allocator) -> str:
+def markdown_section(results, choices, args, cuda: bool, warmups: dict) -> str:
     command = (
         " ".join(["python scripts/benchmark.py", *sys.argv[1:]])
         if args.argv is None
         else (" ".join(["python scripts/benchmark.py", *args.argv]))
     )
-    malloc_line = allocator_line(allocator)
     lines = [
         f"## {hardware_title(cuda)}; patch {PATCH}",
         "",
         f"`{command}`; {versions_line()}.",
         "",
-        f"{malloc_line[0].upper()}{malloc_line[1:]}.",
-        "",
         f"Batch {args.batch}, fused AdamW, median of {args.reps} repetitions of {args.steps} "
         "training steps after warm-up, implementations interleaved in one process. "
         "Ratio: the median, repetition by repetition, of images/s over the faster of timm and "
         "vit-pytorch in that repetition. Memory: CUDA peak allocated "
-        "per step; CPU: activations saved for backward. `ours (auto, first run: PATH)` is the "
-        f"path `speed.path=auto` chose in this run for a `train.py` run of {args.run_epochs} "
-        "epochs on "
-        "a machine that has compiled nothing yet (it times the compiled paths only where "
-        "their first compile fits in `speed.compile_budget` of the training time); `ours "
-        "(auto, compiled before: PATH)` its choice once the model has been compiled here, "
-        "when the compiled paths are timed too. Each `auto` row repeats the row of the path "
+        "per step; CPU: activations saved for backward. `ours (auto: PATH)` is the "
+        "path `speed.path=auto` chose in this run with the default `speed.compile=false`; "
+        "`ours (auto, speed.compile=true: PATH)` its choice when the compiled paths are "
+        "timed too. Each `auto` row repeats the row of the path "
         "it chose: the same model.",
         "",
         "| precision | architecture | implementation | images/s | ratio to best peer "
@@ -470,14 +423,9 @@ def markdown_section(results, choices, args, cuda: bool, warmups: dict, allocato
     for (row, arch), per_setting in choices.items():
         for setting, choice in per_setting.items():
             figures = ", ".join(f"{k} {v:,.0f}" for k, v in choice.images_per_s.items())
-            compiling = (
-                f", {sum(choice.compile_s.values()):.1f} s of it compiling"
-                if choice.compile_s
-                else ""
-            )
             lines.append(
                 f"- {row}, {arch}, {setting}: **{choice.path}** in {choice.seconds:.1f} s"
-                f"{compiling} ({figures})"
+                f" ({figures})"
             )
     compiled = [
         (row, arch, name, secs)
@@ -521,7 +469,7 @@ def merge(existing: str, section: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global PATCH, RUN_EPOCHS
+    global PATCH
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--patch", type=int, default=4, choices=[2, 4, 7, 14])
@@ -529,12 +477,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--out", default="docs/benchmarks.md", help="Markdown file, or -")
-    parser.add_argument(
-        "--run-epochs",
-        type=int,
-        default=20,
-        help="epochs of MNIST in the run whose length auto plans for (train.py's default: 20)",
-    )
     parser.add_argument("--archs", nargs="+", choices=list(ARCHS), default=list(ARCHS))
     parser.add_argument(
         "--compile-archs",
@@ -549,15 +491,9 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="bf16 autocast rows: auto = where the hardware computes bf16",
     )
-    parser.add_argument(
-        "--allocator",
-        choices=["auto", *MODES],
-        default="auto",
-        help="malloc mode for every row (speed.allocator): auto = as train.py chooses it",
-    )
     args = parser.parse_args(argv)
     args.argv = argv
-    PATCH, RUN_EPOCHS = args.patch, args.run_epochs
+    PATCH = args.patch
     try:
         import timm  # noqa: F401
         import vit_pytorch  # noqa: F401
@@ -568,8 +504,6 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     bf16 = args.bf16 == "yes" or (args.bf16 == "auto" and has_native_bf16(cuda))
     rows = [("fp32", False)] + ([("bf16 autocast", True)] if bf16 else [])
-    allocator = set_allocator(args.allocator, device, args.batch)
-    print(allocator_line(allocator), flush=True)
     results, choices, warmups = {}, {}, {}
     for row, use_bf16 in rows:
         for arch_name in args.archs:
@@ -589,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
             results[(row, label)], choices[(row, label)] = per_impl, choice_of
             summary = ", ".join(f"{n} {r.speed:,.0f} ({r.ratio:.2f}x)" for n, r in per_impl.items())
             print(f"{row} | {label}: {summary}", flush=True)
-    section = markdown_section(results, choices, args, cuda, warmups, allocator)
+    section = markdown_section(results, choices, args, cuda, warmups)
     if args.out == "-":
         print(section)
         return 0

@@ -50,8 +50,6 @@ def make_train_cfg(tmp_path):
             # reference path in float32 keeps every run short and alike.
             "speed.path=reference",
             "trainer.precision=32-true",
-            # malloc's mode is the whole process's: the suite's process keeps glibc as it is.
-            "speed.allocator=system",
         ]
         base += TINY_MODEL
         return compose_config("train", [*base, *overrides], output_dir or tmp_path / "train")

@@ -7,10 +7,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -19,8 +17,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.conftest import CONFIG_DIR, ROOT, TINY_MODEL, compose_config
 from vit_mnist.checkpointing import read_checkpoint
 from vit_mnist.evaluate import evaluate
-from vit_mnist.module import ViTClassifier
-from vit_mnist.speed.hardware import pin_to_cores
 
 TINY = ["data=synthetic", "trainer.max_epochs=2", "~callbacks.progress_bar", *TINY_MODEL]
 
@@ -64,13 +60,6 @@ def test_ddp_on_two_cpu_processes_inside_a_multirun(tmp_path):
     # No second sweep and no stray run dir: the second process ran this job, here.
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["0", "multirun.yaml"]
     run_dir = tmp_path / "sweep" / "0"
-    if len(os.sched_getaffinity(0)) == os.cpu_count() >= 2:  # pin_to_cores' conditions
-        train_log = (run_dir / "train.log").read_text()
-        cores = sorted(os.sched_getaffinity(0))
-        share = len(cores) // 2
-        for rank in (0, 1):
-            mine = cores[rank * share : (rank + 1) * share]
-            assert f"DDP process {rank} pinned to CPU cores {mine}" in train_log, train_log[-3000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["world_size"] == 2
     assert metrics["device"].startswith("cpu (") and "2 processes x " in metrics["device"]
@@ -99,51 +88,6 @@ def test_ddp_on_two_cpu_processes_inside_a_multirun(tmp_path):
     assert single["test/loss"] == pytest.approx(metrics["test/loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize(
-    ("cores", "cpu_count", "rank", "world", "expected"),
-    [
-        ({0, 1}, 2, 1, 2, [1]),
-        ({0, 1, 2, 3}, 4, 1, 2, [2, 3]),
-        ({0, 1, 2}, 3, 1, 2, [1]),  # the odd core stays free
-        ({4, 5, 6, 7}, 8, 0, 2, None),  # cores already chosen (taskset, SLURM): left alone
-        ({0}, 1, 1, 2, None),  # fewer cores than processes
-        ({0, 1}, 2, 0, 1, None),  # one process: nothing to share
-    ],
-)
-def test_pin_to_cores_gives_each_process_its_own_slice(
-    monkeypatch, cores, cpu_count, rank, world, expected
-):
-    pinned = []
-    monkeypatch.setattr(os, "cpu_count", lambda: cpu_count)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
-    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, mask: pinned.append(list(mask)))
-    assert pin_to_cores(rank, world) == expected
-    assert pinned == ([expected] if expected else [])
-
-
-def test_a_cpu_ddp_process_is_pinned_at_setup_and_unpinned_at_teardown(monkeypatch):
-    mask = {0, 1}
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(mask))
-
-    def set_mask(pid, cores):
-        mask.clear()
-        mask.update(cores)
-
-    monkeypatch.setattr(os, "sched_setaffinity", set_mask)
-    module = ViTClassifier(model={"embed_dim": 32, "depth": 1, "num_heads": 2, "patch_size": 7})
-    module._trainer = SimpleNamespace(
-        world_size=2,
-        local_rank=0,
-        num_devices=2,
-        strategy=SimpleNamespace(root_device=torch.device("cpu")),
-    )
-    module.setup("fit")
-    assert mask == {0}
-    module.teardown("fit")
-    assert mask == {0, 1}  # a later fit in this process launches its processes on both
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("launcher", "plugin"),
@@ -166,7 +110,6 @@ def test_launcher_writes_one_run_dir_per_job(tmp_path, launcher, plugin):
         # A fixed path: auto's timing (seconds per job) has tests of its own.
         "speed.path=handwritten",
         "trainer.precision=32-true",
-        "speed.allocator=system",
         f"hydra.sweep.dir={sweep_dir}",
     )
     assert result.returncode == 0, result.stderr[-4000:]
@@ -207,7 +150,7 @@ def test_ddp_in_a_local_multirun_starts_its_processes_as_this_job(monkeypatch, t
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from vit_mnist.train import _prepare_ddp_launch
+    from vit_mnist.cli import prepare_ddp_launch
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
@@ -218,7 +161,7 @@ def test_ddp_in_a_local_multirun_starts_its_processes_as_this_job(monkeypatch, t
     monkeypatch.setattr(sys, "argv", ["train.py", "-m", "seed=1,2"])
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    _prepare_ddp_launch(cfg.trainer)
+    prepare_ddp_launch(cfg.trainer)
     assert sys.argv == ["train.py", "trainer=ddp", "seed=2", "hydra.mode=RUN"]
     assert HydraConfig.get().run.dir == str(tmp_path / "sweep" / "1")
     assert "LOCAL_RANK" not in os.environ and "WORLD_SIZE" not in os.environ

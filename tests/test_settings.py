@@ -93,9 +93,6 @@ BAD = [
     ("train", ["data.augment.elastic_alpha=-1"], ["data.augment.elastic_alpha=-1", ">= 0"]),
     ("train", ["data.augment.elastic_sigma=0"], ["data.augment.elastic_sigma=0", "> 0"]),
     ("train", ["speed.cache=sometimes"], ["speed.cache=sometimes", "true or false"]),
-    ("train", ["speed.auto_compile=maybe"], ["speed.auto_compile=maybe", "auto, true or false"]),
-    ("train", ["speed.compile_budget=2"], ["speed.compile_budget=2", "in [0, 1]"]),
-    ("train", ["speed.allocator=lots"], ["speed.allocator=lots", "retain"]),
     # More than 4 pixels moves a digit's stroke out of the frame (issue 55: 12.7% at 100).
     ("train", ["module.test_time_shift=100"], ["module.test_time_shift=100", "in [0, 4]"]),
     ("evaluate", ["ckpt_path=x", "test_time_shift=5"], ["test_time_shift=5", "in [0, 4]"]),
@@ -106,6 +103,7 @@ BAD = [
     ("train", ["data.split_seed=-1"], ["data.split_seed=-1", "in [0, 2**64)"]),
     ("train", ["callbacks.last_checkpoint.every_n_train_steps=0"], ["every_n_train_steps=0"]),
     ("train", ["model.depth=null"], ["model.depth=null", "whole number"]),
+    ("train", ["speed.compile=maybe"], ["speed.compile=maybe", "true or false"]),
     ("evaluate", ["ckpt_path=x", "precision=fp8"], ["precision=fp8", "32-true"]),
     ("evaluate", ["ckpt_path=x", "analysis=everything"], ["analysis=everything", "heads"]),
     ("evaluate", ["ckpt_path=x", "prune.max_fraction=1"], ["prune.max_fraction=1", "(0, 1)"]),

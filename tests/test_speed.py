@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -16,9 +17,8 @@ from tests.helpers import assert_same_values_and_gradients, count_applies
 from vit_mnist.errors import ConfigError
 from vit_mnist.models.attention import MultiHeadSelfAttention
 from vit_mnist.models.vit import VisionTransformer
-from vit_mnist.speed import allocator as malloc
 from vit_mnist.speed import choose as choose_mod
-from vit_mnist.speed.choose import candidates, choose
+from vit_mnist.speed.choose import Choice, candidates, choose, prepare_speed
 from vit_mnist.speed.forward import (
     ExplicitAttention,
     attention_forward,
@@ -35,18 +35,11 @@ pytestmark = pytest.mark.isa
 
 CPU = torch.device("cpu")
 TINY = dict(embed_dim=32, depth=2, num_heads=4, mlp_ratio=2.0)
+# The smallest model with every layer kind (a full block and the CLS-only last block),
+# for the paths that compile: compiling takes seconds per graph node.
+SMALLEST = dict(embed_dim=16, depth=2, num_heads=2, mlp_ratio=2.0)
 EAGER = [n for n, p in PATHS.items() if not p.compiles]
 COMPILED = [n for n, p in PATHS.items() if p.compiles]
-
-
-@pytest.fixture(autouse=True)
-def mallopt_calls(monkeypatch) -> list[dict[int, int]]:
-    """The malloc mode is the whole process's, and glibc cannot go back once it is set:
-    here mallopt is recorded, not called, so the test process keeps glibc as it is."""
-    calls: list[dict[int, int]] = []
-    monkeypatch.setattr(malloc, "_mallopt", lambda settings: calls.append(dict(settings)))
-    monkeypatch.setattr(malloc, "_state", {"mode": "system", "set": False})
-    return calls
 
 
 def _skip_unavailable(name: str) -> None:
@@ -64,11 +57,17 @@ def _grads(net: VisionTransformer, forward, x: torch.Tensor) -> tuple[torch.Tens
 
 
 def _assert_same(
-    name: str, causal: bool, patch_size: int, bf16: bool = False, device: torch.device = CPU
+    name: str,
+    causal: bool,
+    patch_size: int,
+    bf16: bool = False,
+    device: torch.device = CPU,
+    model: dict = TINY,
+    batch: int = 3,
 ) -> None:
     torch.manual_seed(0)
-    net = VisionTransformer(patch_size=patch_size, causal=causal, **TINY).to(device)
-    x = torch.randn(3, 1, 28, 28, device=device)
+    net = VisionTransformer(patch_size=patch_size, causal=causal, **model).to(device)
+    x = torch.randn(batch, 1, 28, 28, device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         ref, ref_grads = _grads(net, net, x)
         out, grads = _grads(net, PATHS[name].build(net), x)
@@ -99,7 +98,7 @@ def test_eager_paths_agree_under_bf16_autocast(name):
 @pytest.mark.parametrize("name", COMPILED)
 def test_compiled_paths_give_the_reference_values_and_gradients(name):
     _skip_unavailable(name)
-    _assert_same(name, causal=False, patch_size=7)
+    _assert_same(name, causal=False, patch_size=14, model=SMALLEST, batch=2)
 
 
 @pytest.mark.parametrize("name", COMPILED)
@@ -192,7 +191,6 @@ def test_forced_path_is_not_timed(monkeypatch):
         batch_size=8,
         path="fused",
         precision="32-true",
-        allocator="system",
     )
     assert (choice.path, choice.precision, choice.how) == ("fused", "32-true", "forced")
 
@@ -211,7 +209,7 @@ def test_auto_leaves_out_what_cannot_run_or_compiles(monkeypatch):
     pairs, skipped = candidates(CPU, "auto", "auto", include_compiled=False)
     assert pairs == [(n, "32-true") for n in ("reference", "fused", "handwritten")]
     assert skipped["native"].startswith("needs AVX2 or AVX-512")
-    assert "auto_compile" in skipped["compile"]
+    assert "speed.compile=true" in skipped["compile"]
     monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: True)
     pairs, _ = candidates(CPU, "handwritten", "auto", include_compiled=False)
     assert pairs == [("handwritten", "32-true"), ("handwritten", "bf16-mixed")]
@@ -220,6 +218,13 @@ def test_auto_leaves_out_what_cannot_run_or_compiles(monkeypatch):
 def test_auto_measures_picks_the_fastest_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
     monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: False)
+    # Real timing, one round of one step: the rounds have tests of their own. No native
+    # paths: their kernels would be built afresh into this test's cache folder.
+    monkeypatch.setattr("vit_mnist.speed.native.isa_class", lambda: "ARM")
+    real = choose_mod.time_candidates
+    monkeypatch.setattr(
+        choose_mod, "time_candidates", functools.partial(real, rounds=1, steps=1, min_round_s=0)
+    )
     torch.manual_seed(0)
     net = VisionTransformer(patch_size=7, **TINY)
     state = {k: v.clone() for k, v in net.state_dict().items()}
@@ -327,13 +332,19 @@ def test_handwritten_core_under_bf16_autocast_matches_float32():
 def test_a_damaged_cache_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
     monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: False)
+    monkeypatch.setattr(
+        choose_mod, "time_candidates", lambda net, pairs, **k: {f"{p} {q}": 1.0 for p, q in pairs}
+    )
     net = VisionTransformer(patch_size=7, **TINY)
-    args = dict(model_args=TINY, device=CPU, batch_size=8, allocator="system")
+    args = dict(model_args=TINY, device=CPU, batch_size=8)
     pairs = choose_mod.candidates(CPU, "auto", "auto", False)[0]
     key = choose_mod._cache_key(CPU, TINY, 8, pairs)
     no_candidate = {key: {"path": "warp"}}  # an entry under the right key
     not_numbers = {key: {"images_per_s": {f"{p} {q}": True for p, q in pairs}}}
-    for damage in ("[1, 2]", "not json", json.dumps(no_candidate), json.dumps(not_numbers)):
+    # An entry of an older version: figures timed under a malloc mode, under another key.
+    old = {"0" * 24: {"allocator": "retain", "images_per_s": {"retain": 1.0}}}
+    damages = [json.dumps(no_candidate), json.dumps(not_numbers), json.dumps(old)]
+    for damage in ("[1, 2]", "not json", *damages):
         (tmp_path / "speed_choices.json").write_text(damage)
         assert choose(net, **args).how == "measured"
     assert choose(net, **args).how == "cached"
@@ -358,88 +369,59 @@ def test_compile_settings_apply_inside_and_restore_after():
 
 
 def _fake_timing(speeds: dict[str, float], calls: list):
-    """A stand-in for time_candidates: the given images/s, and 40 s first steps for the
-    compiled paths (their compile)."""
+    """A stand-in for time_candidates: the given images/s, and the pairs it was asked for."""
 
     def time_candidates(net, pairs, **kwargs):
         calls.append([f"{p} {q}" for p, q in pairs])
-        names = [f"{p} {q}" for p, q in pairs]
-        first = {n: 40.0 if PATHS[n.split(" ")[0]].compiles else 0.1 for n in names}
-        return choose_mod.Timing({n: speeds[n] for n in names}, first)
+        return {f"{p} {q}": speeds[f"{p} {q}"] for p, q in pairs}
 
     return time_candidates
 
 
-def test_auto_times_a_first_compile_only_when_the_training_time_pays_for_it(tmp_path, monkeypatch):
+def test_compiled_paths_are_timed_only_with_speed_compile(tmp_path, monkeypatch):
     monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
-    monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: False)
+    monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: True)
     monkeypatch.setattr("vit_mnist.speed.native.isa_class", lambda: "ARM")  # no native
-    speeds = {"reference 32-true": 900.0, "fused 32-true": 1000.0, "handwritten 32-true": 1100.0}
-    speeds["compile 32-true"] = 1300.0
+    eager = {"reference": 900.0, "fused": 1000.0, "handwritten": 1100.0}
+    speeds = {f"{p} 32-true": v for p, v in eager.items()}
+    speeds |= {f"{p} bf16-mixed": 2 * v for p, v in eager.items()}
+    speeds |= {"compile 32-true": 9000.0, "compile bf16-mixed": 3000.0}
     calls: list = []
     monkeypatch.setattr(choose_mod, "time_candidates", _fake_timing(speeds, calls))
     net = VisionTransformer(patch_size=7, **TINY)
-    args = dict(model_args=TINY, device=CPU, batch_size=100, allocator="system")
-    # 110 steps of 100 images at 1 100 images/s: 10 s of training, 5% of it is 0.5 s,
-    # far from a first compile (60 s): the eager paths only, and the reason logged.
-    short = choose(net, **args, planned_steps=110)
-    assert (short.path, calls) == ("handwritten", [list(speeds)[:3]])
-    assert "compile_budget=0.05" in short.skipped["compile"]
-    assert "; compile (32-true: compiling is expected" in short.describe(CPU)
-    # A run of 13 200 steps (1 200 s; with the 10 s before, 5% is 60.5 s): compiled, timed
-    # against the eager paths within 0.85x of the best, chosen, and its compile recorded.
-    long = choose(net, **args, planned_steps=13_200)
-    assert calls[1] == ["compile 32-true", "fused 32-true", "handwritten 32-true"]
-    assert (long.path, long.how, long.compile_s) == (
+    args = dict(model_args=TINY, device=CPU, batch_size=100)
+    # speed.compile=false (the default): the eager paths only, and the reason logged.
+    plain = choose(net, **args)
+    assert (plain.path, plain.precision) == ("handwritten", "bf16-mixed")
+    assert len(calls) == 1 and not any(c.startswith("compile") for c in calls[0])
+    assert "speed.compile=true" in plain.skipped["compile"]
+    assert "not timed: compile (compiles first" in plain.describe(CPU)
+    # true: the compiled path at the precision the eager paths chose (not at 32-true,
+    # although it would be faster there: one compile, not one per precision), against
+    # the eager winner, interleaved in one timing.
+    # The eager figures come from the cache of the run before.
+    compiled = choose(net, **args, include_compiled=True)
+    assert calls[1:] == [["compile bf16-mixed", "handwritten bf16-mixed"]]
+    assert (compiled.path, compiled.precision, compiled.how) == (
         "compile",
+        "bf16-mixed",
         "measured",
-        {"compile 32-true": 40.0},
     )
-    record = choose_mod.compile_record(CPU, TINY)
-    assert record.compile_s == {"compile 32-true": 40.0}
-    assert record.trained_s == pytest.approx(1210, abs=1)
-    # A second process of the same DDP run trains alongside: its seconds are not added.
-    choose(net, **args, planned_steps=13_200, count_training=False)
-    assert choose_mod.compile_record(CPU, TINY).trained_s == pytest.approx(1210, abs=1)
-    # From now on a short run finds the compiled answer in the cache, timing nothing.
-    again = choose(net, **args, planned_steps=110)
+    assert compiled.images_per_s["compile bf16-mixed"] == 3000.0
+    # Run again: both timings come from the cache.
+    again = choose(net, **args, include_compiled=True)
     assert (again.path, again.how, len(calls)) == ("compile", "cached", 2)
-    # false never times it; true always does (one more timing: a new candidate list).
-    assert choose(net, **args, include_compiled=False, planned_steps=10**6).path == "handwritten"
-    forced = choose(net, **{**args, "batch_size": 50}, include_compiled=True, planned_steps=0)
-    assert forced.path == "compile"
 
 
-def test_compiled_paths_are_not_timed_at_a_precision_that_runs_slower():
-    record = choose_mod.CompileRecord({}, {}, 0.0)
-    skipped: dict[str, str] = {}
-    eager = {"handwritten 32-true": 1000.0, "handwritten bf16-mixed": 95.0}
-    chosen = choose_mod._compiled_to_time(
-        [("compile", "32-true"), ("compile", "bf16-mixed")],
-        eager,
-        include_compiled=True,
-        record=record,
-        run_s=0.0,
-        compile_budget=0.05,
-        skipped=skipped,
-    )
-    assert chosen == [("compile", "32-true")] and skipped == {}
-
-
-def test_the_compile_record_keeps_the_longest_first_compile(tmp_path, monkeypatch):
-    monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
-    other = {**TINY, "embed_dim": 64}
-    pair = ("compile", "32-true")
-    assert choose_mod.compile_record(CPU, TINY).expected_s(pair) == choose_mod.FIRST_COMPILE_GUESS_S
-    choose_mod.record_compile(CPU, TINY, pair, 90.0)  # a cold first compile
-    choose_mod.record_compile(CPU, TINY, pair, 3.0)  # the same model again: warm
-    choose_mod.record_compile(CPU, other, pair, 4.0)  # first here, but warm in inductor's cache
-    assert choose_mod.compile_record(CPU, TINY).expected_s(pair) == 3.0
-    assert choose_mod.compile_record(CPU, {**TINY, "depth": 3}).expected_s(pair) == 90.0
-    (tmp_path / "compile_times.json").write_text('{"x": [1], "y": 5}')
-    assert choose_mod.compile_record(CPU, TINY).expected_s(pair) == choose_mod.FIRST_COMPILE_GUESS_S
-    choose_mod.record_compile(CPU, TINY, pair, 2.0)  # a damaged file is written afresh
-    assert choose_mod.compile_record(CPU, TINY).compile_s == {"compile 32-true": 2.0}
+def test_a_forced_compiled_path_chooses_its_precision_on_its_eager_stand_in(monkeypatch):
+    monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: True)
+    speeds = {"handwritten 32-true": 1000.0, "handwritten bf16-mixed": 1500.0}
+    calls: list = []
+    monkeypatch.setattr(choose_mod, "time_candidates", _fake_timing(speeds, calls))
+    net = VisionTransformer(patch_size=7, **TINY)
+    choice = choose(net, model_args=TINY, device=CPU, batch_size=8, path="compile", use_cache=False)
+    assert calls == [["handwritten 32-true", "handwritten bf16-mixed"]]
+    assert (choice.path, choice.precision, choice.how) == ("compile", "bf16-mixed", "measured")
 
 
 def _counted_path(name: str, steps: dict[str, int], delay_s: float = 0.0):
@@ -458,172 +440,22 @@ def _counted_path(name: str, steps: dict[str, int], delay_s: float = 0.0):
     return dataclasses.replace(PATHS["reference"], name=name, build=build)
 
 
-def test_timing_drops_a_clearly_slower_candidate_after_one_round(monkeypatch):
+def test_timing_interleaves_every_candidate_over_every_round(monkeypatch):
     steps = {"reference": 0, "slow": 0}
     paths = {
         "reference": _counted_path("reference", steps),
-        "slow": _counted_path("slow", steps, 0.05),
+        "slow": _counted_path("slow", steps, 0.1),
     }
     monkeypatch.setattr(choose_mod, "PATHS", paths)
     net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
     pairs = [("reference", "32-true"), ("slow", "32-true")]
-    timing = choose_mod.time_candidates(
-        net, pairs, device=CPU, batch_size=4, rounds=5, steps=2, min_round_s=0.0
+    speeds = choose_mod.time_candidates(
+        net, pairs, device=CPU, batch_size=4, rounds=3, steps=2, min_round_s=0.0, budget_s=1e9
     )
-    assert timing.images_per_s["slow 32-true"] < 0.85 * timing.images_per_s["reference 32-true"]
-    # One first step and one round of two for each, then the slow one is out and the
-    # reference alone is left: nothing more to compare.
-    assert steps == {"reference": 3, "slow": 3}
-    assert set(timing.first_step_s) == {"reference 32-true", "slow 32-true"}
-
-
-def test_a_race_the_planned_rounds_did_not_decide_is_timed_on(monkeypatch):
-    steps = {"reference": 0, "twin": 0}
-    paths = {name: _counted_path(name, steps) for name in steps}  # the same speed
-    monkeypatch.setattr(choose_mod, "PATHS", paths)
-    net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
-    pairs = [("reference", "32-true"), ("twin", "32-true")]
-
-    def timed(close: float) -> dict[str, int]:
-        steps.update(reference=0, twin=0)
-        # keep=0: neither twin is dropped as clearly slower on a moment of load; `close` alone
-        # decides.
-        choose_mod.time_candidates(
-            net,
-            pairs,
-            device=CPU,
-            batch_size=4,
-            rounds=2,
-            steps=1,
-            min_round_s=0,
-            keep=0.0,
-            close=close,
-        )
-        return dict(steps)
-
-    # Every runner-up counts as close: the race goes on to three times the planned rounds
-    # (the first step, then six rounds of one step each).
-    assert timed(close=0.0001) == {"reference": 7, "twin": 7}
-    # Only an exact tie counts as close: the planned two rounds decide it.
-    assert timed(close=1.0) == {"reference": 3, "twin": 3}
-
-
-def _timing_by_malloc_mode(speeds: dict[str, float], timed: list):
-    """A stand-in for time_candidates whose images/s depend on the malloc mode set."""
-
-    def time_candidates(net, pairs, **kwargs):
-        timed.append((malloc.current_mode(), list(pairs)))
-        return choose_mod.Timing({f"{p} {q}": speeds[malloc.current_mode()] for p, q in pairs}, {})
-
-    return time_candidates
-
-
-def test_auto_keeps_freed_memory_only_where_it_measures_faster(
-    tmp_path, monkeypatch, mallopt_calls
-):
-    monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
-    monkeypatch.setattr(malloc, "unavailable", lambda: None)
-    timed: list = []
-    fake = _timing_by_malloc_mode({"system": 1000.0, "retain": 1200.0}, timed)
-    monkeypatch.setattr(choose_mod, "time_candidates", fake)
-    net = VisionTransformer(patch_size=7, **TINY)
-    args = dict(model_args=TINY, device=CPU, path="fused", precision="32-true")
-    first = choose(net, **args, batch_size=8)
-    # glibc as it is first (there is no way back to it), then retain, on the forced path.
-    assert timed == [("system", [("fused", "32-true")]), ("retain", [("fused", "32-true")])]
-    assert (first.allocator, first.allocator_how) == ("retain", "measured")
-    assert first.allocator_images_per_s == {"system": 1000.0, "retain": 1200.0}
-    assert mallopt_calls == [malloc.RETAIN, malloc.RETAIN] and malloc.current_mode() == "retain"
-    assert "malloc: retain (measured; images/s: system 1,000, retain 1,200); chosen in" in (
-        first.describe(CPU)
-    )
-    # The next run with the same settings reads it, timing nothing.
-    again = choose(net, **args, batch_size=8)
-    assert (again.allocator, again.allocator_how, len(timed)) == ("retain", "cached", 2)
-    # A damaged figure in the cache is left out of the log, not formatted.
-    file = tmp_path / "speed_choices.json"
-    file.write_text(file.read_text().replace("1200.0", '"x"'))
-    damaged = choose(net, **args, batch_size=8)
-    assert damaged.allocator_images_per_s == {"system": 1000.0} and "system 1,000)" in (
-        damaged.describe(CPU)
-    )
-    # Where retain is slower it is not kept: glibc's thresholds go back to their ceiling.
-    monkeypatch.setattr(
-        choose_mod,
-        "time_candidates",
-        _timing_by_malloc_mode({"system": 1000.0, "retain": 990.0}, []),
-    )
-    slower = choose(net, **args, batch_size=16)
-    assert (slower.allocator, malloc.current_mode()) == ("system", "system")
-    assert mallopt_calls[-1] == malloc.CEILING
-    # auto on the GPU, or without glibc, sets nothing and says why.
-    monkeypatch.setattr(malloc, "unavailable", lambda: "needs Linux with glibc; this is Darwin")
-    mallopt_calls.clear()
-    other = choose(net, **args, batch_size=32)
-    assert other.allocator_how == "not timed: needs Linux with glibc; this is Darwin"
-    assert mallopt_calls == []
-
-
-def test_auto_times_the_paths_under_the_malloc_mode_it_keeps(tmp_path, monkeypatch, mallopt_calls):
-    monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
-    monkeypatch.setattr(malloc, "unavailable", lambda: None)
-    monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: False)
-    timed: list = []
-    # retain speeds handwritten up, and fused most, so fused wins under it; but fused alone
-    # runs faster still under glibc's own malloc.
-    speeds = {"system": {"fused": 1300.0}, "retain": {"handwritten": 1200.0, "fused": 1250.0}}
-
-    def time_candidates(net, pairs, **kwargs):
-        mode = malloc.current_mode()
-        timed.append((mode, list(pairs)))
-        return choose_mod.Timing({f"{p} {q}": speeds[mode].get(p, 1000.0) for p, q in pairs}, {})
-
-    monkeypatch.setattr(choose_mod, "time_candidates", time_candidates)
-    net = VisionTransformer(patch_size=7, **TINY)
-    choice = choose(net, model_args=TINY, device=CPU, batch_size=8, include_compiled=False)
-    probe, chosen = [("handwritten", "32-true")], [("fused", "32-true")]
-    eager, _ = candidates(CPU, "auto", "32-true", include_compiled=False)
-    # The mode first, on handwritten; then every path under the mode it kept; then, as
-    # another path won, the mode again on that path, whose answer the run keeps.
-    assert timed == [
-        ("system", probe),
-        ("retain", probe),
-        ("retain", eager),
-        ("system", chosen),
-        ("retain", chosen),
-    ]
-    assert (choice.path, choice.how) == ("fused", "measured")
-    assert (choice.allocator, choice.allocator_how) == ("system", "measured")
-    assert choice.allocator_images_per_s == {"system": 1300.0, "retain": 1250.0}
-    assert malloc.current_mode() == "system" and mallopt_calls[-1] == malloc.CEILING
-    # Run again: all three answers come from the cache, and the mode is set as before.
-    timed.clear()
-    cached = choose(net, model_args=TINY, device=CPU, batch_size=8, include_compiled=False)
-    assert timed == []
-    assert (cached.path, cached.how, cached.allocator, cached.allocator_how) == (
-        "fused",
-        "cached",
-        "system",
-        "cached",
-    )
-    # Figures timed under one mode are not read under the other: the paths are timed again.
-    again = choose(
-        net, model_args=TINY, device=CPU, batch_size=8, include_compiled=False, allocator="system"
-    )
-    assert (again.how, timed[-1]) == ("measured", ("system", eager))
-
-
-@pytest.mark.parametrize(
-    ("pair", "stand_in"),
-    [
-        (("compile", "32-true"), ("handwritten", "32-true")),
-        (("compile_native", "bf16-mixed"), ("native", "bf16-mixed")),
-        (("fused", "bf16-mixed"), ("fused", "bf16-mixed")),
-    ],
-)
-def test_malloc_is_timed_on_a_compiled_paths_eager_counterpart(pair, stand_in):
-    assert choose_mod.eager_counterpart(pair) == stand_in
-    assert not PATHS[stand_in[0]].compiles
+    # A step of the slow path sleeps 0.1 s: its best round cannot beat 4 images / 0.1 s.
+    assert 0 < speeds["slow 32-true"] <= 4 / 0.1 and speeds["reference 32-true"] > 0
+    # One untimed first step each, then three rounds of two steps each.
+    assert steps == {"reference": 7, "slow": 7}
 
 
 def test_every_compiled_path_names_an_eager_counterpart_and_no_eager_path_does():
@@ -634,50 +466,75 @@ def test_every_compiled_path_names_an_eager_counterpart_and_no_eager_path_does()
             assert path.eager is None, name
 
 
-def test_forced_and_unknown_allocator_modes(monkeypatch, mallopt_calls):
-    monkeypatch.setattr(choose_mod, "time_candidates", lambda *a, **k: pytest.fail("timed"))
-    net = VisionTransformer(patch_size=7, **TINY)
-    args = dict(model_args=TINY, device=CPU, batch_size=8, path="fused", precision="32-true")
-    assert choose(net, **args, allocator="retain").allocator_how == "forced"
-    assert mallopt_calls == [malloc.RETAIN]
-    with pytest.raises(ConfigError, match=r"speed.allocator='lots' is unknown; use auto or one"):
-        choose(net, **args, allocator="lots")
-    monkeypatch.setattr(malloc, "unavailable", lambda: "needs Linux with glibc; this is Darwin")
-    with pytest.raises(ConfigError, match="speed.allocator=retain cannot be set here: needs Linux"):
-        choose(net, **args, allocator="retain")
-
-
 def test_a_single_candidate_is_timed_over_every_round(monkeypatch):
     steps: dict[str, int] = {}
     monkeypatch.setattr(choose_mod, "PATHS", {"reference": _counted_path("reference", steps)})
     net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
+    pair = ("reference", "32-true")
     choose_mod.time_candidates(
-        net, [("reference", "32-true")], device=CPU, batch_size=4, rounds=3, steps=2, min_round_s=0
+        net, [pair], device=CPU, batch_size=4, rounds=3, steps=2, min_round_s=0, budget_s=1e9
     )
     assert steps["reference"] == 1 + 3 * 2  # the first step, then three rounds of two
 
 
 def test_short_steps_are_timed_in_rounds_of_min_round_s(monkeypatch):
+    """A 20 ms step, as a GPU's, on a clock that only the steps move (so the machine's
+    load cannot change the count): rounds of 0.1 s, not of 2 steps."""
+    import dataclasses
+    from types import SimpleNamespace
+
     steps: dict[str, int] = {}
-    # A 20 ms step, as a GPU's.
-    monkeypatch.setattr(choose_mod, "PATHS", {"reference": _counted_path("reference", steps, 0.02)})
+    clock = [0.0]
+    counted = _counted_path("reference", steps)
+
+    def build(net):
+        forward = counted.build(net)
+
+        def step(x):
+            clock[0] += 0.02
+            return forward(x)
+
+        return step
+
+    monkeypatch.setattr(
+        choose_mod, "PATHS", {"reference": dataclasses.replace(counted, build=build)}
+    )
+    monkeypatch.setattr(choose_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
     pair = ("reference", "32-true")
-    timing = choose_mod.time_candidates(
+    speeds = choose_mod.time_candidates(
         net, [pair], device=CPU, batch_size=4, rounds=2, steps=2, min_round_s=0.1
     )
-    # The first step, then rounds of about 0.1 s: at most 5 steps of 20 ms and more; the
-    # second round's at least 4, sized by the first round's measured steps.
-    assert 1 + 2 + 4 <= steps["reference"] <= 1 + 2 * 5
-    assert timing.images_per_s["reference 32-true"] < 4 / 0.02
+    # The first step, then two rounds of 0.1 s / 20 ms = 5 steps.
+    assert steps["reference"] == 1 + 5 + 5
+    assert speeds["reference 32-true"] == pytest.approx(4 / 0.02)
 
 
-@pytest.mark.skipif(malloc.unavailable() is not None, reason="needs Linux with glibc")
-def test_mallopt_takes_the_retain_and_ceiling_settings():
-    # In a process of its own: the setting is the whole process's and cannot be undone.
-    code = (
-        "from vit_mnist.speed import allocator as a; a.set_mode('retain'); "
-        "a.set_mode('system'); a.set_mode('retain'); print(a.current_mode())"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert (done.returncode, done.stdout.strip()) == (0, "retain"), done.stderr
+def test_prepare_speed_sets_the_step_and_leaves_the_checkpoint_keys_alone():
+    """The speed layer sets one plain attribute of the LightningModule: the state dict (so
+    every checkpoint) holds the same keys on every path, net.* and no copy under another
+    name."""
+    from omegaconf import OmegaConf
+
+    from vit_mnist.module import ViTClassifier
+
+    model = dict(patch_size=7, **TINY)
+    module = ViTClassifier(model=model)
+    keys = set(module.state_dict())
+    assert all(k.startswith("net.") for k in keys)
+    for name in EAGER:
+        if PATHS[name].unavailable(CPU):
+            continue
+        cfg = OmegaConf.create(
+            {
+                "speed": {"path": name, "compile": False, "cache": False},
+                "trainer": {"accelerator": "cpu", "precision": "32-true"},
+                "data": {"batch_size": 4},
+                "model": model,
+            }
+        )
+        choice = prepare_speed(module, cfg)
+        assert isinstance(choice, Choice) and choice.path == name
+        assert set(module.state_dict()) == keys
+        x = torch.randn(2, 1, 28, 28)
+        torch.testing.assert_close(module.step_forward(x), module.net(x), atol=1e-5, rtol=1e-4)

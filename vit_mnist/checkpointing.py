@@ -14,9 +14,9 @@ import hydra
 import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from vit_mnist.errors import CheckpointError, WriteError
+from vit_mnist.errors import CheckpointError, ConfigError, WriteError
 from vit_mnist.io import atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -235,3 +235,50 @@ def _this_program() -> list[str]:
     if program.endswith(".py"):
         return ["python", program]
     return [Path(program).name]
+
+
+def resume_checkpoint(cfg: DictConfig) -> tuple[Path | None, int]:
+    """For ``ckpt_path=PATH`` (or ``latest``): the checkpoint to resume and its global step;
+    ``(None, 0)`` without ``ckpt_path``.
+
+    Raises:
+        ConfigError: the checkpoint was trained with another model than ``cfg.model``.
+        CheckpointError: see :func:`read_checkpoint`.
+    """
+    if cfg.get("ckpt_path") is None:
+        return None, 0
+    model_args = OmegaConf.to_container(cfg.model, resolve=True)
+    path = resolve_latest(cfg.ckpt_path, cfg.paths.log_dir, "last.ckpt", model_args)
+    ckpt = read_checkpoint(path)  # a clear error for a missing or foreign file
+    differences = model_differences(ckpt["hyper_parameters"]["model"], model_args)
+    if differences:
+        raise ConfigError(
+            f"ckpt_path={path} was trained with another model: {'; '.join(differences)}. "
+            "Resume it with its own model settings, or leave ckpt_path out to start a new run"
+        )
+    return path, int(ckpt.get("global_step", 0))
+
+
+def model_to_start_from(cfg: DictConfig) -> dict[str, torch.Tensor] | None:
+    """For ``init_from=PATH``: put that checkpoint's model arguments into ``cfg.model`` and
+    return its network weights (``net.*`` without the prefix); None without ``init_from``.
+
+    Raises:
+        ConfigError: ``init_from`` together with ``ckpt_path``.
+        CheckpointError: see :func:`read_checkpoint`.
+    """
+    path = cfg.get("init_from")
+    if path is None:
+        return None
+    if cfg.get("ckpt_path") is not None:
+        raise ConfigError(
+            f"init_from={path} and ckpt_path={cfg.ckpt_path}: give one; ckpt_path resumes a "
+            "run where it stopped, init_from starts a new one from a checkpoint's model"
+        )
+    ckpt = read_checkpoint(path)
+    with open_dict(cfg):
+        cfg.model = OmegaConf.create(ckpt["hyper_parameters"]["model"])
+    model = OmegaConf.to_container(cfg.model)
+    log.info("init_from=%s: model %s, training from epoch 0", path, model)
+    prefix = "net."
+    return {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}

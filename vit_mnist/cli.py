@@ -21,6 +21,7 @@ import hydra
 from omegaconf import DictConfig
 
 CONFIG_PATH = "pkg://vit_mnist.configs"
+_ENV_AT_START = dict(os.environ)
 
 
 _STARTED: list[str] = []  # the task whose body has begun (see _start)
@@ -171,11 +172,50 @@ def _start(task: str) -> ModuleType:
     return module
 
 
+def prepare_ddp_launch(trainer_cfg: DictConfig) -> None:
+    """Let Lightning's DDP start its extra processes as this one job, not as the sweep.
+
+    Lightning starts DDP's extra processes by running ``sys.argv`` again in
+    ``HydraConfig.run.dir``; inside a local multirun (``-m``) that command line is the whole
+    sweep and that folder is not the job's. So the command line becomes this job's own
+    overrides with ``hydra.mode=RUN``, and ``run.dir`` this job's run dir. Under SLURM
+    (submitit) or torchrun the processes are started outside, one per task, and nothing is
+    re-run.
+    """
+    import torch
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+    from omegaconf import open_dict, read_write
+
+    if not str(trainer_cfg.get("strategy", "auto")).startswith("ddp"):
+        return
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    if SLURMEnvironment.detect() or TorchElasticEnvironment.detect():
+        return
+    # The job before this one left its process group and Lightning's rank variables behind;
+    # with LOCAL_RANK set, Lightning would take this process for a child and start none.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        if key in _ENV_AT_START:
+            os.environ[key] = _ENV_AT_START[key]
+        else:
+            os.environ.pop(key, None)
+    hydra_cfg = HydraConfig.get()
+    sys.argv = [sys.argv[0], *hydra_cfg.overrides.task, "hydra.mode=RUN"]
+    with read_write(hydra_cfg), open_dict(hydra_cfg):
+        hydra_cfg.run.dir = hydra_cfg.runtime.output_dir
+
+
 @_command_line
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="train")
 def train(cfg: DictConfig) -> dict[str, Any]:
     """``vit-mnist-train [overrides]`` = ``python train.py [overrides]``."""
-    return _start("train").main(cfg)
+    task = _start("train")
+    prepare_ddp_launch(cfg.trainer)
+    return task.main(cfg)
 
 
 @_command_line

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 import random
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,12 +16,8 @@ from torchmetrics.classification import MulticlassAccuracy
 from vit_mnist.errors import NonFiniteLossError
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.settings import ModuleSettings, check_arguments
-from vit_mnist.speed.choose import record_compile
-from vit_mnist.speed.hardware import pin_to_cores
-from vit_mnist.speed.paths import PATHS
 
 RUN_INFO_KEY = "vit_mnist"
-log = logging.getLogger(__name__)
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -66,14 +59,12 @@ class ViTClassifier(L.LightningModule):
         warmup_epochs: epochs (may be fractional) of linear warm-up.
         min_lr_ratio: final learning rate of the cosine decay, as a fraction of ``lr``.
         label_smoothing: cross-entropy label smoothing in [0, 1).
-        test_time_shift: test-time augmentation, in pixels. 0 classifies each image
-            once. A positive ``s`` makes the test step and ``predict_step`` (eval.py's
-            reports) average the softmax over 9 copies of each image, shifted by every
-            (dx, dy) in {-s, 0, s}^2 with the border pixels repeated; their scores are
-            the log of that mean. Validation stays one view, so the checkpoint chosen
-            on ``val/acc`` does not depend on it. Simard et al. 2003 (section 2) train
-            on such shifts; averaging over them at test time is the same idea as the
-            ten-crop average of Krizhevsky et al. 2012 (section 4.1).
+        test_time_shift: test-time augmentation, in pixels: a positive ``s`` makes the
+            test step and ``predict_step`` score the log of the softmax averaged over 9
+            copies of each image shifted by every (dx, dy) in {-s, 0, s}^2 (borders
+            repeated); 0 classifies each image once. Validation stays one view. The
+            ten-crop average of Krizhevsky et al. 2012 (section 4.1) with Simard et al.
+            2003's shifts (section 2).
 
     Logged: ``train/loss`` (per step), ``train/acc``, ``val/loss``, ``val/acc``,
     ``val/acc_best``, ``test/loss`` and ``test/acc`` (per epoch; accuracies are
@@ -107,14 +98,9 @@ class ViTClassifier(L.LightningModule):
         )
         self.save_hyperparameters()
         self.net = VisionTransformer(**{k: v for k, v in model.items() if k != "compile"})
-        # How training, validation and test steps run (vit_mnist.speed); the reference
-        # model until train() sets the path it chose. Kept out of the module tree
-        # (object.__setattr__): it runs self.net's own parameters.
-        self.speed_path = "reference"
-        object.__setattr__(self, "_step_forward", self.net)
-        self.compile_time_s: float | None = None
-        # Whether a compile's time goes to the speed layer's record (speed.cache=true).
-        self.record_compiles = False
+        # The speed path's forward of self.net (vit_mnist.speed.choose.prepare_speed): a
+        # plain callable, not a module, so checkpoints hold net.* alone.
+        self.step_forward: Callable[[torch.Tensor], torch.Tensor] = self.net.__call__
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         num_classes = model.get("num_classes", 10)
         self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
@@ -124,71 +110,12 @@ class ViTClassifier(L.LightningModule):
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
         self.val_acc_best = MaxMetric()
-        # Filled by train(): data config, precision, seed; stored in every checkpoint.
-        self.run_info: dict[str, Any] = {}
+        self.run_info: dict[str, Any] = {}  # data config, precision, seed: from train()
         self._resumed_val_acc_best: float | None = None
-        self._cores_before_pinning: set[int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, 1, 28, 28) float -> logits (B, num_classes), by the reference model."""
         return self.net(x)
-
-    def use_speed_path(self, name: str) -> None:
-        """Run training, validation and test steps on the speed path ``name`` (a key of
-        :data:`vit_mnist.speed.paths.PATHS`); the parameters stay ``self.net``'s.
-
-        Raises:
-            KeyError: an unknown name (``train()`` checks it first).
-        """
-        path = PATHS[name]
-        self.speed_path = name
-        object.__setattr__(self, "_step_forward", path.build(self.net))
-
-    def setup(self, stage: str) -> None:
-        trainer = self.trainer
-        if trainer.world_size > 1 and trainer.strategy.root_device.type == "cpu":
-            before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-            cores = pin_to_cores(trainer.local_rank, trainer.num_devices)
-            if cores is not None:
-                self._cores_before_pinning = before
-                log.info("DDP process %d pinned to CPU cores %s", trainer.local_rank, cores)
-
-    def teardown(self, stage: str) -> None:
-        # Give rank 0 its cores back: a later fit in this process (a notebook, a test)
-        # launches its DDP processes from here, and they would inherit a single core.
-        if self._cores_before_pinning is not None:
-            os.sched_setaffinity(0, self._cores_before_pinning)
-            self._cores_before_pinning = None
-
-    def _warm_up_compiled(self) -> None:
-        """Compile before the first training step, so the fitting time leaves it out.
-
-        Runs the compiled model once in training mode (forward and backward) on a zero
-        batch of the training batch size, under the trainer's precision. (Evaluation,
-        without gradients, runs eagerly: nothing to compile.) The gradients are dropped
-        and the random-number state is restored, so the run is the same as without it.
-        """
-        trainer = self.trainer
-        batch = getattr(trainer.datamodule, "batch_size", 2) if trainer.datamodule else 2
-        embed = self.net.patch_embed
-        x = torch.zeros(
-            batch, embed.proj.in_channels, embed.img_size, embed.img_size, device=self.device
-        )
-        cpu_rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-        start = time.perf_counter()
-        with trainer.precision_plugin.forward_context():
-            self._step_forward(x).float().sum().backward()
-        self.compile_time_s = time.perf_counter() - start
-        self.net.zero_grad(set_to_none=True)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        if self.record_compiles:
-            # What speed.auto_compile=auto expects this model to cost to compile next time.
-            pair = (self.speed_path, str(trainer.precision))
-            record_compile(self.device, self.hparams["model"], pair, self.compile_time_s)
-        log.info("torch.compile warm-up: %.1f s", self.compile_time_s)
 
     def on_train_start(self) -> None:
         # The sanity-check validation must not count towards the best accuracy; a resumed
@@ -201,12 +128,10 @@ class ViTClassifier(L.LightningModule):
         batches = self.trainer.num_training_batches
         if isinstance(batches, int) and 0 < batches < self.trainer.log_every_n_steps:
             self.trainer.log_every_n_steps = 1
-        if PATHS[self.speed_path].compiles:
-            self._warm_up_compiled()
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         x, y = batch
-        logits = self._step_forward(x)
+        logits = self.step_forward(x)
         loss = self.criterion(logits, y)
         if not torch.isfinite(loss):
             lr = self.trainer.optimizers[0].param_groups[0]["lr"] if self.trainer else float("nan")
@@ -224,14 +149,9 @@ class ViTClassifier(L.LightningModule):
     def _shift_averaged(
         self, x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scores and one-view logits of images ``x`` (B, C, H, W) float, by ``forward``
-        (the speed path's step, or the reference model).
-
-        Returns:
-            ``(scores, logits)``, both (B, num_classes): the logits of ``x`` itself, and
-            the scores the test step judges: the same logits when ``test_time_shift`` is
-            0, else the float32 log of the softmax averaged over the 9 shifted copies.
-        """
+        """``(scores, logits)`` (B, num_classes) of images ``x`` (B, C, H, W) by ``forward``:
+        the logits of ``x`` itself, and the scores judged: the same logits, or with
+        ``test_time_shift`` the float32 log of the softmax averaged over 9 shifted copies."""
         logits = forward(x)
         s = self.hparams.test_time_shift
         if not s:
@@ -251,12 +171,12 @@ class ViTClassifier(L.LightningModule):
     def _eval_step(self, batch, acc: MulticlassAccuracy, mean_loss: MeanMetric, stage: str):
         x, y = batch
         if stage == "test":
-            scores, logits = self._shift_averaged(x, self._step_forward)
+            scores, logits = self._shift_averaged(x, self.step_forward)
             if scores is not logits:
                 self.test_acc_one_view(logits, y)
                 self.log("test/acc_one_view", self.test_acc_one_view, on_step=False, on_epoch=True)
         else:
-            scores = self._step_forward(x)
+            scores = self.step_forward(x)
         # Unsmoothed loss: comparable across label_smoothing settings.
         loss = nn.functional.cross_entropy(scores.float(), y)
         acc(scores, y)
@@ -282,15 +202,12 @@ class ViTClassifier(L.LightningModule):
         return self._shift_averaged(x, self.net)[0].float(), y
 
     def configure_optimizers(self):
-        decay, no_decay = [], []
-        for name, p in self.net.named_parameters():
-            if not p.requires_grad:
-                continue
-            # Weight matrices are decayed; biases, LayerNorm gains and the embeddings
-            # (cls_token, pos_embed) are not, as in Dosovitskiy et al. and timm.
-            (decay if p.ndim >= 2 and name not in ("cls_token", "pos_embed") else no_decay).append(
-                p
-            )
+        # Weight matrices are decayed; biases, LayerNorm gains and the embeddings
+        # (cls_token, pos_embed) are not, as in Dosovitskiy et al. and timm.
+        named = [(n, p) for n, p in self.net.named_parameters() if p.requires_grad]
+        matrices = {n for n, p in named if p.ndim >= 2 and n not in ("cls_token", "pos_embed")}
+        decay = [p for n, p in named if n in matrices]
+        no_decay = [p for n, p in named if n not in matrices]
         hp = self.hparams
         optimizer = torch.optim.AdamW(
             [
@@ -306,14 +223,9 @@ class ViTClassifier(L.LightningModule):
         total_steps = max(1, int(self.trainer.estimated_stepping_batches))
         steps_per_epoch = total_steps / max(1, self.trainer.max_epochs or 1)
         warmup_steps = min(total_steps, max(1, round(hp.warmup_epochs * steps_per_epoch)))
+        schedule = dict(warmup_steps=warmup_steps, total_steps=total_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer,
-            lambda step: warmup_cosine(
-                step,
-                warmup_steps=warmup_steps,
-                total_steps=total_steps,
-                min_lr_ratio=hp.min_lr_ratio,
-            ),
+            optimizer, lambda step: warmup_cosine(step, **schedule, min_lr_ratio=hp.min_lr_ratio)
         )
         return {
             "optimizer": optimizer,

@@ -33,7 +33,6 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from vit_mnist.errors import ConfigError
-from vit_mnist.speed.allocator import MODES
 
 PRECISIONS = ["32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true"]
 ACCELERATORS = ["auto", "cpu", "gpu", "cuda", "mps"]
@@ -106,16 +105,10 @@ def _pictures(value: Any) -> str | None:
     return "must be a number of images >= 0 (the first ones get pictures) or all"
 
 
-def _auto_or_bool(value: Any) -> str | None:
-    return None if isinstance(value, bool) or value == "auto" else "must be auto, true or false"
-
-
 @dataclass
 class SpeedSettings:
     path: str = _setting(example="speed.path=auto")
-    auto_compile: Any = _setting(check=_auto_or_bool, example="speed.auto_compile=auto")
-    compile_budget: float = _setting(ge=0, le=1, example="speed.compile_budget=0.05")
-    allocator: str = _setting(choices=("auto", *MODES), example="speed.allocator=auto")
+    compile: bool = _setting()
     cache: bool = _setting()
 
 
@@ -381,8 +374,7 @@ SETTINGS: dict[str, type] = {
 RETIRED: dict[str, str] = {
     "model.compile": (
         "is no longer a model setting: torch.compile is one of the speed paths; use "
-        "speed.path=compile (speed.path=auto times it too where compiling pays, see "
-        "speed.auto_compile)"
+        "speed.path=compile (or speed.compile=true, with which speed.path=auto times it too)"
     ),
 }
 

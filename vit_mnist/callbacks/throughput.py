@@ -23,6 +23,8 @@ class TrainThroughput(L.Callback):
             the last one (CUDA synchronised), with the validations in between; it leaves
             out process start, data preparation, the sanity check and the final test.
             None before a training step has finished.
+        first_step_s: wall seconds of the first training step (a compiled speed path
+            compiles in it), None before it has finished.
     """
 
     def __init__(self) -> None:
@@ -31,6 +33,7 @@ class TrainThroughput(L.Callback):
         self._images = 0
         self._first_step: float | None = None
         self._last_step_end: float | None = None
+        self.first_step_s: float | None = None
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._start, self._images = time.perf_counter(), 0
@@ -42,6 +45,9 @@ class TrainThroughput(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         self._images += len(batch[0])
+        if self.first_step_s is None:
+            self._sync(pl_module)
+            self.first_step_s = time.perf_counter() - self._first_step
 
     @staticmethod
     def _sync(pl_module: L.LightningModule) -> None:
@@ -74,3 +80,21 @@ class TrainThroughput(L.Callback):
     def median(self) -> float | None:
         """Median images/s over the epochs measured, or None before the first."""
         return statistics.median(self.images_per_s) if self.images_per_s else None
+
+    def metrics(self, world_size: int = 1) -> dict[str, float | list[float] | None]:
+        """This callback's keys of ``metrics.json``, for ``world_size`` processes kept in
+        step (DDP: rank 0's rate times the world size):
+
+        - ``train_images_per_s``: the median over epochs of the training loop's images/s;
+        - ``train_images_per_s_by_epoch``: the same, epoch by epoch (on a shared machine
+          the rate can change from one epoch to the next, which the median hides);
+        - ``fit_time_s``: see :attr:`fit_time_s` (the speedrun's clock);
+        - ``first_step_s``: see :attr:`first_step_s`.
+        """
+        median = self.median
+        return {
+            "train_images_per_s": round(median * world_size, 1) if median else None,
+            "train_images_per_s_by_epoch": [round(r * world_size, 1) for r in self.images_per_s],
+            "fit_time_s": round(self.fit_time_s, 2) if self.fit_time_s else None,
+            "first_step_s": round(self.first_step_s, 2) if self.first_step_s else None,
+        }

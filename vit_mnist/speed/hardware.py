@@ -1,5 +1,5 @@
 """What machine a training step runs on: CPU model, instruction-set class, GPU name;
-which device and precision a run resolves to, and how its processes share the cores.
+which device and precision a run resolves to.
 
 Every speed figure and every cached speed choice is keyed by these, because no path is
 fastest everywhere (docs/speed.md).
@@ -7,7 +7,6 @@ fastest everywhere (docs/speed.md).
 
 from __future__ import annotations
 
-import os
 import platform
 from functools import lru_cache
 from pathlib import Path
@@ -112,35 +111,6 @@ def resolve_precision(precision: Any, on_cuda: bool) -> str:
     if precision != "auto":
         return precision
     return "bf16-mixed" if has_native_bf16(on_cuda) else "32-true"
-
-
-def pin_to_cores(local_rank: int, local_world_size: int) -> list[int] | None:
-    """Pin this process to its own slice of the machine's CPU cores.
-
-    Local rank ``r`` of ``n`` processes gets the ``r``-th of ``n`` equal, contiguous slices
-    of the cores (an odd core left over stays free). Why: with one single-threaded DDP
-    process per core, the scheduler otherwise moves the processes and gloo's threads
-    between the cores, and every step waits for the slower process. On the 2-core Zen 5 of
-    docs/benchmarks.md, a plain 2-process DDP loop of the speedrun model trained at
-    3 862 images/s pinned against 3 719 unpinned (mean of 3 runs each, 1.04x).
-
-    Only a process that may run on every core is pinned: one whose cores someone already
-    chose (``taskset``, a SLURM binding, a container's cpuset) is left as it is, since its
-    sibling processes may have been given other cores.
-
-    Returns the cores given to this process, or None where nothing was changed: a single
-    process, fewer cores than processes, an already restricted process, or an OS without
-    ``sched_setaffinity``.
-    """
-    if local_world_size < 2 or not hasattr(os, "sched_setaffinity"):
-        return None
-    cores = sorted(os.sched_getaffinity(0))
-    share = len(cores) // local_world_size
-    if len(cores) != os.cpu_count() or share == 0 or not 0 <= local_rank < local_world_size:
-        return None
-    mine = cores[local_rank * share : (local_rank + 1) * share]
-    os.sched_setaffinity(0, mine)
-    return mine
 
 
 def describe_device(device: torch.device, processes: int = 1) -> str:

@@ -41,12 +41,11 @@ class TrainingPath:
         summary: one line for logs and ``--help`` texts.
         build: model -> its forward on this path (the model's own modules).
         unavailable: device -> why this path cannot run there, or None where it can.
-        compiles: whether the first training step compiles (a warm-up before fitting, not
-            timed); evaluation, without gradients, runs the same function eagerly.
+        compiles: whether the first training step compiles (30-60 s for a model's first
+            compile on a 2-core CPU); evaluation, without gradients, runs eagerly.
         unsupported: model -> why this path cannot run it, or None where it can.
-        eager: for a compiled path, the eager path whose steps stand for it where timing
-            it again would mean compiling it again (``malloc``'s mode, in
-            :mod:`vit_mnist.speed.choose`); None for an eager path.
+        eager: for a compiled path, the eager path that stands for it where the precision
+            is chosen (:func:`vit_mnist.speed.choose.choose`); None for an eager path.
     """
 
     name: str
@@ -181,7 +180,8 @@ PATHS: dict[str, TrainingPath] = {
         TrainingPath(
             "reference",
             "the model as written (vit_mnist/models), autograd's backward",
-            lambda net: net,
+            # The bound call, not the module: a plain attribute of the LightningModule.
+            lambda net: net.__call__,
             _always,
         ),
         TrainingPath(
