@@ -35,7 +35,6 @@ SLOW = [
     # A fixed path: auto's timing (seconds in every process) has tests of its own.
     "speed.path=reference",
     "trainer.precision=32-true",
-    "speed.allocator=system",
 ]
 STEPS_PER_EPOCH = 64
 
