@@ -7,6 +7,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 PYTEST_ARGS ?=
+# Test files run in this many worker processes, one file to a worker (pytest-xdist): most
+# of the suite's time is single-threaded (process start-up, compilers, subprocesses).
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup train eval test lint clean
 
@@ -26,7 +29,7 @@ eval: setup
 	$(BIN)/python eval.py $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -216,11 +216,14 @@ def test_real_mnist_eval_and_prediction_on_saved_images(mnist_dir, tmp_path):
     cfg = compose_config(
         "train",
         ["trainer=cpu", "trainer.max_epochs=2", "model.depth=3", "model.embed_dim=48"]
+        # 170 of an epoch's 215 batches: test accuracy about 0.92, past the 0.9 asked below.
+        + ["trainer.limit_train_batches=170"]
         + ["module.lr=4e-3", "module.warmup_epochs=0.5", "data.augment=null"]
         + ["speed.path=handwritten", "trainer.precision=32-true"],  # not timed: see test_speed
         tmp_path / "train",
     )
     metrics = train(cfg)
+    print("real-MNIST test accuracy:", metrics["test/acc"])
     # The whole pipeline on real data: run dir, metrics.json, TensorBoard scalars.
     check_run(tmp_path / "train", metrics, epochs=2)
     assert metrics["dataset"] == "mnist" and metrics["data_source"]
