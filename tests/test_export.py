@@ -16,6 +16,8 @@ from vit_mnist.train import train
 def checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("export_train")
     overrides = ["data=synthetic", "trainer=cpu", "trainer.max_epochs=1", *TINY_MODEL]
+    # A fixed path: auto's timing has tests of its own (tests/test_speed.py).
+    overrides += ["speed.path=reference", "trainer.precision=32-true"]
     return train(compose_config("train", overrides, out))["best_ckpt"]
 
 

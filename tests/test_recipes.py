@@ -101,6 +101,7 @@ def test_fashion_class_names_reach_the_tables_and_plots(fashion_dir, tmp_path):
     overrides = ["data=fashion_mnist", "trainer=cpu", "trainer.max_epochs=1"]
     overrides += ["trainer.limit_train_batches=3", "trainer.limit_val_batches=2"]
     overrides += ["model.depth=1", "model.embed_dim=32", "model.num_heads=2"]
+    overrides += ["speed.path=reference", "trainer.precision=32-true"]  # auto: test_speed
     metrics = train(compose_config("train", overrides, tmp_path / "train"))
     assert metrics["dataset"] == "fashion_mnist"
     cfg = compose_config("eval", [f"ckpt_path={metrics['best_ckpt']}"], tmp_path / "eval")
