@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -369,3 +370,25 @@ def test_a_file_that_is_no_checkpoint_is_one_line_naming_it(tmp_path, content):
     message = str(info.value)
     assert str(path) in message and "not a PyTorch checkpoint" in message, message
     assert "KeyError" not in message and "\n" not in message
+
+
+def test_resume_names_the_settings_it_keeps_from_the_checkpoint(make_train_cfg, tmp_path, caplog):
+    part = make_train_cfg("trainer.max_epochs=1", output_dir=tmp_path / "part")
+    train(part)
+    last = Path(part.paths.output_dir) / "checkpoints" / "last.ckpt"
+    resumed = make_train_cfg(
+        "trainer.max_epochs=2", f"ckpt_path={last}", "module.lr=0.5", output_dir=tmp_path / "r"
+    )
+    with caplog.at_level(logging.WARNING):
+        metrics = train(resumed)
+    (line,) = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert "module.lr=0.5 (keeps " in line and "init_from=" in line
+    # What the run records is what trained: the checkpoint's learning rate.
+    saved = read_checkpoint(metrics["best_ckpt"])["hyper_parameters"]
+    assert saved["lr"] == part.module.lr != 0.5
+    # Another batch size would run on a schedule laid out for the checkpoint's: refused.
+    other = make_train_cfg(
+        "trainer.max_epochs=2", f"ckpt_path={last}", "data.batch_size=32", output_dir=tmp_path / "b"
+    )
+    with pytest.raises(ConfigError, match="data.batch_size=32 differs from the 64"):
+        train(other)

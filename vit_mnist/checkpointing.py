@@ -256,7 +256,50 @@ def resume_checkpoint(cfg: DictConfig) -> tuple[Path | None, int]:
             f"ckpt_path={path} was trained with another model: {'; '.join(differences)}. "
             "Resume it with its own model settings, or leave ckpt_path out to start a new run"
         )
+    _keep_what_resumes(cfg, ckpt, path)
     return path, int(ckpt.get("global_step", 0))
+
+
+# The module settings a resume takes from the checkpoint: Lightning restores the optimizer
+# and the learning-rate schedule (their state holds these), whatever the command line says.
+RESUMED_MODULE_KEYS = ("lr", "weight_decay", "betas", "warmup_epochs", "min_lr_ratio")
+
+
+def _keep_what_resumes(cfg: DictConfig, ckpt: dict[str, Any], path: Path) -> None:
+    """Put the checkpoint's optimizer and schedule settings into ``cfg.module`` (so the
+    run's recorded hyperparameters are those that train) and name, in one warning line,
+    each that the command line changed.
+
+    Raises:
+        ConfigError: ``data.batch_size`` differs from the checkpoint's: the schedule's step
+            count and the epoch's batches were laid out for the checkpoint's.
+    """
+    saved = ckpt.get("hyper_parameters", {})
+    batch_size = ckpt.get("vit_mnist", {}).get("data", {}).get("batch_size")
+    if batch_size is not None and batch_size != cfg.data.batch_size:
+        raise ConfigError(
+            f"data.batch_size={cfg.data.batch_size} differs from the {batch_size} that "
+            f"{path} trained with: resume with data.batch_size={batch_size}, or start a new "
+            f"run from its weights with init_from={path}"
+        )
+    ignored = []
+    with open_dict(cfg):
+        for key in RESUMED_MODULE_KEYS:
+            if key not in saved or key not in cfg.module:
+                continue
+            asked = OmegaConf.to_container(cfg.module, resolve=True)[key]
+            kept = list(saved[key]) if isinstance(saved[key], tuple) else saved[key]
+            if asked != kept:
+                ignored.append(f"module.{key}={asked} (keeps {kept})")
+                cfg.module[key] = kept
+    if ignored:
+        log.warning(
+            "%s ignored: the optimizer and its schedule resume from %s; start a new run "
+            "with init_from=%s to train with other settings",
+            ", ".join(ignored),
+            path,
+            path,
+        )
 
 
 def model_to_start_from(cfg: DictConfig) -> dict[str, torch.Tensor] | None:
