@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vit_mnist.errors import CheckpointError, ConfigError, WriteError
 from vit_mnist.io import atomic_write_bytes
+from vit_mnist.module import RUN_INFO_KEY
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +276,7 @@ def _keep_what_resumes(cfg: DictConfig, ckpt: dict[str, Any], path: Path) -> Non
             count and the epoch's batches were laid out for the checkpoint's.
     """
     saved = ckpt.get("hyper_parameters", {})
-    batch_size = ckpt.get("vit_mnist", {}).get("data", {}).get("batch_size")
+    batch_size = ckpt.get(RUN_INFO_KEY, {}).get("data", {}).get("batch_size")
     if batch_size is not None and batch_size != cfg.data.batch_size:
         raise ConfigError(
             f"data.batch_size={cfg.data.batch_size} differs from the {batch_size} that "
@@ -283,11 +284,12 @@ def _keep_what_resumes(cfg: DictConfig, ckpt: dict[str, Any], path: Path) -> Non
             f"run from its weights with init_from={path}"
         )
     ignored = []
+    module = OmegaConf.to_container(cfg.module, resolve=True)
     with open_dict(cfg):
         for key in RESUMED_MODULE_KEYS:
-            if key not in saved or key not in cfg.module:
+            if key not in saved or key not in module:
                 continue
-            asked = OmegaConf.to_container(cfg.module, resolve=True)[key]
+            asked = module[key]
             kept = list(saved[key]) if isinstance(saved[key], tuple) else saved[key]
             if asked != kept:
                 ignored.append(f"module.{key}={asked} (keeps {kept})")
