@@ -458,6 +458,37 @@ def test_timing_interleaves_every_candidate_over_every_round(monkeypatch):
     assert steps == {"reference": 7, "slow": 7}
 
 
+def test_timing_pays_the_loops_augmentation_in_every_step(monkeypatch):
+    """auto times what each step of the training loop pays: prepare_speed hands the
+    datamodule's batch augmentation to the timing, which runs it before every step."""
+    from omegaconf import OmegaConf
+
+    from vit_mnist.data.synthetic import SyntheticDataModule
+    from vit_mnist.module import ViTClassifier
+
+    steps = {"reference": 0, "slow": 0}
+    paths = {
+        "reference": _counted_path("reference", steps),
+        "slow": _counted_path("slow", steps, 0.01),
+    }
+    monkeypatch.setattr(choose_mod, "PATHS", paths)
+    datamodule = SyntheticDataModule(augment={"degrees": 10.0, "translate": 0.1})
+    augment, seen = datamodule.augment, []
+    datamodule.augment = lambda x: seen.append(x.shape) or augment(x)
+    model = dict(patch_size=14, embed_dim=16, depth=1, num_heads=2)
+    cfg = OmegaConf.create(
+        {
+            "speed": {"path": "auto", "compile": False, "cache": False},
+            "trainer": {"accelerator": "cpu", "precision": "32-true"},
+            "data": {"batch_size": 4},
+            "model": model,
+        }
+    )
+    choice = prepare_speed(ViTClassifier(model=model), cfg, datamodule)
+    assert choice.how == "measured" and choice.path == "reference"
+    assert len(seen) == sum(steps.values()) > 2 and set(seen) == {(4, 1, 28, 28)}
+
+
 def test_every_compiled_path_names_an_eager_counterpart_and_no_eager_path_does():
     for name, path in PATHS.items():
         if path.compiles:

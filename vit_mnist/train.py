@@ -171,7 +171,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     )
     if init is not None:
         module.net.load_state_dict(init)
-    choice = prepare_speed(module, cfg)
+    choice = prepare_speed(module, cfg, datamodule)
     module.run_info = {"data": _resolved(cfg.data), "precision": choice.precision, "seed": cfg.seed}
 
     # `callbacks.NAME=null` on the command line switches one off (configs/callbacks/).

@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,17 +197,19 @@ def time_candidates(
     steps: int = 2,
     min_round_s: float = 0.1,
     budget_s: float = 6.0,
+    augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Images/s of each (path, precision) pair: ``"path precision" -> images/s``.
 
-    A training step is forward, cross-entropy, backward and a fused AdamW step on a random
-    batch of ``batch_size`` images. Each pair first takes one untimed step (allocations,
-    kernel builds; a compiled path compiles), then the pairs take turns for ``rounds``
-    rounds, in alternating order so a drift in the machine's speed hits all alike. A round
-    is ``steps`` steps, or as many as fill ``min_round_s`` (a GPU step of 15 ms is too
-    short to time alone). A pair's figure is its best round: on a shared machine load only
-    ever slows a round down (as :mod:`timeit` takes the minimum). The rounds stop early
-    after the one in which ``budget_s`` seconds have passed.
+    A training step is what each step of the training loop pays: ``augment`` of a random
+    batch of ``batch_size`` images (when given: the datamodule's batch augmentation), then
+    forward, cross-entropy, backward and a fused AdamW step. Each pair first takes one
+    untimed step (allocations, kernel builds; a compiled path compiles), then the pairs
+    take turns for ``rounds`` rounds, in alternating order so a drift in the machine's
+    speed hits all alike. A round is ``steps`` steps, or as many as fill ``min_round_s``
+    (a GPU step of 15 ms is too short to time alone). A pair's figure is its best round:
+    on a shared machine load only ever slows a round down (as :mod:`timeit` takes the
+    minimum). The rounds stop early after the one in which ``budget_s`` seconds have passed.
 
     Runs on a copy of ``net`` and restores the random-number state, so the run that
     follows is the same as without it.
@@ -227,8 +230,9 @@ def time_candidates(
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         for _ in range(n):
+            batch = images if augment is None else augment(images)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled="bf16" in pair[1]):
-                loss = F.cross_entropy(forwards[pair[0]](images), labels)
+                loss = F.cross_entropy(forwards[pair[0]](batch), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -264,6 +268,7 @@ def choose(
     precision: str = "auto",
     include_compiled: bool = False,
     use_cache: bool = True,
+    augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Choice:
     """The path and precision to train ``net`` with on ``device``.
 
@@ -278,6 +283,8 @@ def choose(
         include_compiled: whether ``auto`` also times the compiled paths, at the precision
             the eager paths chose.
         use_cache: read and write the cache of earlier figures.
+        augment: the training batches' augmentation, timed with each step (see
+            :func:`time_candidates`).
 
     Raises:
         ConfigError: an unknown path, or a forced one that cannot run here.
@@ -292,7 +299,7 @@ def choose(
         cached = _cached(key, timed) if use_cache else None
         if cached is not None:
             return cached, "cached"
-        speeds = time_candidates(net, timed, device=device, batch_size=batch_size)
+        speeds = time_candidates(net, timed, device=device, batch_size=batch_size, augment=augment)
         if use_cache:
             _write_cache(key, device, speeds)
         return speeds, "measured"
@@ -316,9 +323,11 @@ def choose(
     return Choice(*best.split(" "), speeds, time.perf_counter() - start, how, skipped)
 
 
-def prepare_speed(module: Any, cfg: DictConfig) -> Choice:
+def prepare_speed(module: Any, cfg: DictConfig, datamodule: Any = None) -> Choice:
     """Choose the training path and precision for the run ``cfg`` and put the path's
     forward into ``module.step_forward`` (a LightningModule whose network is ``module.net``).
+    ``datamodule``'s batch augmentation (its ``augment``, when it has one) is timed with
+    each step, as the training loop pays it.
 
     Reads ``speed.path``, ``speed.compile``, ``speed.cache``, ``trainer.accelerator``,
     ``trainer.precision``, ``data.batch_size`` and ``model``; logs the choice in one line.
@@ -337,6 +346,7 @@ def prepare_speed(module: Any, cfg: DictConfig) -> Choice:
         precision=str(cfg.trainer.get("precision", "auto")),
         include_compiled=bool(speed.get("compile", False)),
         use_cache=bool(speed.get("cache", True)),
+        augment=getattr(datamodule, "augment", None),
     )
     module.step_forward = PATHS[choice.path].build(module.net)
     log.info(choice.describe(device))
