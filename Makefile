@@ -7,8 +7,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 PYTEST_ARGS ?=
-# Test files run in this many worker processes, one file to a worker (pytest-xdist): most
-# of the suite's time is single-threaded (process start-up, compilers, subprocesses).
+# Tests run in this many worker processes (pytest-xdist), an idle worker taking tests
+# queued for the other (worksteal: 156 s against 170 s for one file to a worker, 2-core
+# Zen 5); most of the suite's time is single-threaded (process start-up, compilers,
+# subprocesses), and a third worker on 2 cores was slower (177 s).
 PYTEST_WORKERS ?= 2
 
 .PHONY: setup train eval test lint clean
@@ -29,7 +31,7 @@ eval: setup
 	$(BIN)/python eval.py $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -27,63 +27,51 @@ def run(script: str, *overrides: str, cwd: Path = ROOT) -> subprocess.CompletedP
     )
 
 
-def run_many(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
-    """``run`` for several commands at once: they start in parallel and are waited for."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(ROOT / script), *args],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for script, *args in commands
-    ]
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=300)
-        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    return results
-
-
 def test_bad_input_on_the_command_line_is_one_line(tmp_path):
-    missing = tmp_path / "nope.ckpt"
-    results = run_many(
-        ("train.py", "model.num_heads=3", "model.embed_dim=64", f"hydra.run.dir={tmp_path / 't'}"),
-        ("eval.py", f"hydra.run.dir={tmp_path / 'e1'}"),
-        ("eval.py", f"ckpt_path={missing}", f"hydra.run.dir={tmp_path / 'e2'}"),
-        (
-            "scripts/predict.py",
-            f"ckpt_path={tmp_path / 'x.ckpt'}",
-            "images=[a.png]",
-            f"hydra.run.dir={tmp_path / 'p'}",
-        ),
-        # Hydra's own composition errors and the schema's are in
-        # test_hydra_errors_are_one_line, without a process each.
+    # The process boundary itself: exit status 2, one error line, no traceback. The other
+    # entry points' bad input is checked in this process (test_bad_input_to_eval_...).
+    result = run(
+        "train.py", "model.num_heads=3", "model.embed_dim=64", f"hydra.run.dir={tmp_path / 't'}"
     )
-    heads, no_ckpt, missing_ckpt, predict = results
-    for result in results:
-        assert result.returncode == 2, result.stderr[-3000:]
-        assert "Traceback" not in result.stderr + result.stdout
-    errors = [line for line in heads.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, heads.stderr
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
     assert "embed_dim=64" in errors[0] and "num_heads=3" in errors[0]
     # Nothing was trained or read: the check comes before data and model.
     assert not (tmp_path / "t" / "checkpoints").exists()
-    assert "ckpt_path is required" in no_ckpt.stderr
-    assert str(missing) in missing_ckpt.stderr
-    assert predict.stderr.strip().splitlines()[-1].startswith("error: checkpoint")
 
 
-def hydra_error(monkeypatch, capsys, *argv: str) -> str:
-    """stderr of ``vit_mnist.cli.train`` run in this process with ``argv``: Hydra's
-    composition errors come before any task, so no process of its own is needed."""
+def test_bad_input_to_eval_and_predict_is_one_line(monkeypatch, capsys, tmp_path):
+    missing = tmp_path / "nope.ckpt"
+    no_ckpt = hydra_error(monkeypatch, capsys, f"hydra.run.dir={tmp_path / 'e1'}", task="evaluate")
+    assert "ckpt_path is required" in no_ckpt
+    missing_ckpt = hydra_error(
+        monkeypatch,
+        capsys,
+        f"ckpt_path={missing}",
+        f"hydra.run.dir={tmp_path / 'e2'}",
+        task="evaluate",
+    )
+    assert str(missing) in missing_ckpt
+    predict = hydra_error(
+        monkeypatch,
+        capsys,
+        f"ckpt_path={tmp_path / 'x.ckpt'}",
+        "images=[a.png]",
+        f"hydra.run.dir={tmp_path / 'p'}",
+        task="predict",
+    )
+    assert predict.startswith("error: checkpoint")
+
+
+def hydra_error(monkeypatch, capsys, *argv: str, task: str = "train") -> str:
+    """The one stderr line of ``vit_mnist.cli.<task>`` run in this process with ``argv``,
+    which must stop with exit status 2: Hydra's composition errors and the tasks' checks of
+    their settings come before any work, so no process of its own is needed."""
     from hydra.core.global_hydra import GlobalHydra
 
     from vit_mnist import cli
-    from vit_mnist.cli import train
 
     # Which task has begun is the process's state; each call here is a process of its own.
     monkeypatch.setattr(cli, "_STARTED", [])
@@ -91,11 +79,11 @@ def hydra_error(monkeypatch, capsys, *argv: str) -> str:
     # Hydra's own logging config would add handlers on this test's captured stderr, left
     # behind for later tests: "none" keeps Hydra's hands off logging.
     quiet = ["hydra/hydra_logging=none", "hydra/job_logging=none"]
-    monkeypatch.setattr(sys, "argv", ["train.py", *argv, *quiet])
+    monkeypatch.setattr(sys, "argv", [f"{task}.py", *argv, *quiet])
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     try:
         with pytest.raises(SystemExit) as stop:
-            train()
+            getattr(cli, task)()
     finally:
         GlobalHydra.instance().clear()
     assert stop.value.code == 2

@@ -252,3 +252,63 @@ def test_torch_compile_calls_the_kernel_and_gives_eagers_numbers(bf16):
     calls = {e.key: e.count for e in prof.key_averages()}
     assert calls.get("vit_mnist::attention_forward") == 1
     assert calls.get("vit_mnist::attention_backward") == 1
+
+
+@needs_kernel
+def test_a_kernel_that_cannot_be_built_is_said_left_out_and_remembered(
+    monkeypatch, tmp_path, caplog
+):
+    import logging
+    import subprocess
+
+    from omegaconf import OmegaConf
+
+    from vit_mnist.errors import ConfigError
+    from vit_mnist.module import ViTClassifier
+    from vit_mnist.speed.choose import prepare_speed
+
+    def config(path: str):
+        return OmegaConf.create(
+            {
+                "speed": {"path": path, "compile": False, "cache": True},
+                "trainer": {"accelerator": "cpu", "precision": "32-true"},
+                "data": {"batch_size": 8},
+                "model": model,
+            }
+        )
+
+    monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")  # a compiler that fails every build
+    native._target_library.cache_clear()
+    native.FAILURES.clear()
+    try:
+        model = dict(patch_size=7, embed_dim=32, depth=1, num_heads=2)
+        module = ViTClassifier(model=model)
+        with caplog.at_level(logging.WARNING, logger="vit_mnist.speed.choose"):
+            choice = prepare_speed(module, config("auto"))
+        # Said once, before training, with the path that runs instead and why.
+        (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert line.startswith(f"speed path {choice.path} runs") and "/bin/false failed" in line
+        assert "native: " in line
+        # The path that runs is the one recorded (metrics.json, the speed cache).
+        assert choice.path != "native" and "native" in choice.skipped
+        assert choice.metrics()["speed_path"] == choice.path
+        cached = (tmp_path / "speed_choices.json").read_text()
+        assert '"path": "native"' not in cached and "native 32-true" not in cached
+
+        # Remembered: a later process finds the failure without running the compiler.
+        native._target_library.cache_clear()
+        native.FAILURES.clear()
+        commands: list[list[str]] = []
+        run = subprocess.run
+        monkeypatch.setattr(
+            native.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or run(cmd, **kw)
+        )
+        assert "an earlier build" in PATHS["native"].unsupported(module.net)
+        assert commands and all(cmd[-1] == "--version" for cmd in commands)
+        # A forced path that cannot run is refused, saying why.
+        with pytest.raises(ConfigError, match="speed.path=native cannot run here: .*false failed"):
+            prepare_speed(module, config("native"))
+    finally:
+        native._target_library.cache_clear()
+        native.FAILURES.clear()

@@ -349,5 +349,15 @@ def prepare_speed(module: Any, cfg: DictConfig, datamodule: Any = None) -> Choic
         augment=getattr(datamodule, "augment", None),
     )
     module.step_forward = PATHS[choice.path].build(module.net)
+    # A path that this device offers but that cannot run this model here (its kernel did
+    # not build, pruned heads) is a fallback the user should see before the progress bar.
+    fallen = {
+        name: why
+        for name, why in choice.skipped.items()
+        if PATHS[name].unavailable(device) is None and PATHS[name].unsupported(module.net)
+    }
+    if fallen:
+        reasons = "; ".join(f"{name}: {why}" for name, why in fallen.items())
+        log.warning("speed path %s runs: these cannot run here (%s)", choice.path, reasons)
     log.info(choice.describe(device))
     return choice

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from torch.autograd.function import once_differentiable
 
+from vit_mnist.io import atomic_write_bytes
 from vit_mnist.speed import cache_root
 from vit_mnist.speed.hardware import cpuinfo_flags, isa_class
 
@@ -56,6 +57,7 @@ FLAGS = ("-std=c++17", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 TARGET_FLAGS = {"AVX-512": (), "AVX2": ("-mno-avx512f",)}
 LANES = {"AVX-512": 16, "AVX2": 8}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+FAILURES: dict[str, str] = {}  # library stem -> why its build or load failed in this process
 
 
 def _compiler() -> str | None:
@@ -107,6 +109,12 @@ def _build(source: Path, defines: tuple[str, ...], stem: str) -> Path:
     target = cache_dir() / f"{stem}_{key}.so"
     if target.exists():
         return target
+    # A build that failed is remembered, keyed as the library (the compiler, its version,
+    # the flags, this CPU): later runs neither retry it nor pay for the compiler again.
+    failed = target.with_suffix(".failed")
+    if failed.is_file():
+        why = failed.read_text().strip()
+        raise RuntimeError(f"{why} (an earlier build; delete {failed} to retry)")
     target.parent.mkdir(parents=True, exist_ok=True)
     # Compiled to a temporary name and renamed: a reader never sees a half-written library,
     # and two processes building at once (DDP) each rename a complete one.
@@ -120,7 +128,9 @@ def _build(source: Path, defines: tuple[str, ...], stem: str) -> Path:
             timeout=300,
         )
         if done.returncode != 0:
-            raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-500:]}")
+            why = f"{cxx} failed: {done.stderr.strip()[-500:]}"
+            atomic_write_bytes(failed, why.encode())
+            raise RuntimeError(why)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -135,8 +145,25 @@ def _load(source: Path, defines: tuple[str, ...], stem: str, fallback: str) -> c
     try:
         return ctypes.CDLL(str(_build(source, defines, stem)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        FAILURES[stem] = str(e)
         warnings.warn(f"vit_mnist: {fallback} ({e})", RuntimeWarning, stacklevel=4)
         return None
+
+
+def build_failure(tokens: int, head_dim: int) -> str | None:
+    """Why the attention kernel for sequences of ``tokens`` and heads of ``head_dim``
+    features cannot be built or loaded here (building it now if need be), or None where it
+    can, or where such inputs run on PyTorch operations by design (longer than
+    ``MAX_TOKENS``, wider than ``MAX_HEAD_DIM``). Emits no warning: the caller says it."""
+    if not (1 <= tokens <= MAX_TOKENS and 1 <= head_dim <= MAX_HEAD_DIM):
+        return None
+    blocks, vectors = _shape_class(tokens, head_dim)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if _library(blocks, vectors) is not None:
+            return None
+    stem = f"attention_cpu_{blocks}x{vectors}"
+    return FAILURES.get(stem, "the kernel library could not be loaded")
 
 
 def _library(blocks: int, vectors: int) -> ctypes.CDLL | None:

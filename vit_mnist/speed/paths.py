@@ -61,9 +61,10 @@ def _always(device: torch.device) -> None:
     return None
 
 
-def _needs_full_width_heads(net: VisionTransformer) -> str | None:
+def _native_unsupported(net: VisionTransformer) -> str | None:
     """Why the C++ attention kernel does not take ``net``: it is built and tested for
-    h * d_k == D in every block, which a model with pruned heads breaks."""
+    h * d_k == D in every block, which a model with pruned heads breaks; or it cannot be
+    built here (no working compiler, an unwritable cache)."""
     for i, block in enumerate(net.blocks):
         attn = block.attn
         if attn.num_heads * attn.head_dim != attn.embed_dim:
@@ -71,7 +72,9 @@ def _needs_full_width_heads(net: VisionTransformer) -> str | None:
                 f"block {i} has {attn.num_heads} heads of {attn.head_dim} features, not "
                 f"embed_dim={attn.embed_dim} (pruned heads); the C++ kernel assumes them equal"
             )
-    return None
+    # Built now for this model's shape (or found built): a kernel that cannot be built
+    # leaves the path out, rather than running it on PyTorch's operations under its name.
+    return native.build_failure(net.patch_embed.num_patches + 1, net.blocks[0].attn.head_dim)
 
 
 @contextlib.contextmanager
@@ -209,7 +212,7 @@ PATHS: dict[str, TrainingPath] = {
             "C++ kernels for attention (AVX2, AVX-512) and residual add + LayerNorm (AVX-512)",
             lambda net: functools.partial(native_vit_forward, net),
             _native_unavailable,
-            unsupported=_needs_full_width_heads,
+            unsupported=_native_unsupported,
         ),
         TrainingPath(
             "compile_native",
@@ -217,7 +220,7 @@ PATHS: dict[str, TrainingPath] = {
             _compiled(native_vit_forward),
             _compile_native_unavailable,
             compiles=True,
-            unsupported=_needs_full_width_heads,
+            unsupported=_native_unsupported,
             eager="native",
         ),
     )
