@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -99,7 +100,7 @@ def test_sigkill_mid_epoch_then_resume_latest_finishes(tmp_path):
     assert metrics["resumed_from"].endswith("first/checkpoints/last.ckpt")
 
 
-@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 1), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_interrupt_saves_last_and_prints_resume_command(tmp_path, sig, status):
     run_dir = tmp_path / "run"
     proc = start(run_dir, tmp_path)
@@ -116,6 +117,61 @@ def test_interrupt_saves_last_and_prints_resume_command(tmp_path, sig, status):
     assert f"ckpt_path={ckpt}" in shown and f"python {ROOT / 'train.py'} " in shown
     assert "weights_only" not in shown  # no note that reads like an unsafe load
     assert "data.num_train=4096" in shown  # the same overrides as the interrupted run
+
+
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_before_the_loop_stops_at_once_in_one_line(
+    make_train_cfg, monkeypatch, caplog, tmp_path, sig, status
+):
+    """Ctrl-C or SIGTERM while the speed paths are timed (data loaded, Lightning's loop
+    not begun): the run stops at once with one line and 130 or 143, writing nothing."""
+    import vit_mnist.train as train_mod
+
+    def timing(module, cfg, datamodule):
+        os.kill(os.getpid(), sig)
+        time.sleep(5)  # the handler raises within this
+        pytest.fail(f"{sig!r} did not stop the run")
+
+    monkeypatch.setattr(train_mod, "prepare_speed", timing)
+    # A test worker may have Ctrl-C ignored; a terminal's Python has this handler.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with caplog.at_level(logging.WARNING), pytest.raises(SystemExit) as stop:
+            main(make_train_cfg())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert stop.value.code == status
+    what = "Ctrl-C" if sig == signal.SIGINT else "SIGTERM"
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert lines == [
+        f"Stopped by {what} outside the training loop; every file written so far is complete."
+    ]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # main put it back
+    assert not list((tmp_path / "train").rglob("*.ckpt"))
+    assert not (tmp_path / "train" / "metrics.json").exists()
+
+
+class SigtermInTest(L.Callback):
+    """Sends this process SIGTERM as the test after training begins."""
+
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_in_the_test_phase_saves_nothing_over_the_checkpoints(
+    make_train_cfg, caplog, tmp_path
+):
+    cfg = make_train_cfg("+callbacks.sigterm_in_test._target_=tests.test_faults.SigtermInTest")
+    with caplog.at_level(logging.WARNING), pytest.raises(SystemExit) as stop:
+        main(cfg)
+    assert stop.value.code == 143
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert lines == ["SIGTERM during test: nothing saved; the checkpoints are whole"]
+    # last.ckpt is the fit's end, not the best weights the test loaded.
+    last = read_checkpoint(tmp_path / "train" / "checkpoints" / "last.ckpt")
+    assert last["global_step"] == 2 * 512 // 64
+    assert not (tmp_path / "train" / "metrics.json").exists()
 
 
 def test_interrupt_before_the_restore_leaves_the_resumed_checkpoint_untouched(
@@ -140,7 +196,7 @@ def test_interrupt_before_the_restore_leaves_the_resumed_checkpoint_untouched(
         pytest.fail(proc.communicate())
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 1
+    assert proc.returncode == 130
     assert last.read_bytes() == before
     assert not (run_dir / "checkpoints" / "last.ckpt").exists()
     shown = stdout + stderr

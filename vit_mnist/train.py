@@ -259,15 +259,41 @@ def _run_metrics(
     }
 
 
+STOPPED = "Stopped by %s outside the training loop; every file written so far is complete."
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM outside Lightning's loops (data preparation, the speed timing, between fit
+    and test): stop at once. Inside them Lightning's handler runs and calls this one too;
+    there the loop stops at the next batch and the callbacks say what they saved."""
+    if signal.getsignal(signal.SIGTERM) is _stop_on_sigterm:
+        log.warning(STOPPED, "SIGTERM")
+        raise SIGTERMException
+
+
 @exit_on_user_error
 def main(cfg: DictConfig) -> dict[str, Any]:
     """The body of ``python train.py``: ``train(cfg)``, bad input reported in one line.
 
-    Exit status: 0 when done, 2 for bad input or a non-finite loss, 1 after Ctrl-C and
-    143 after SIGTERM (both after saving ``last.ckpt``).
+    Exit status: 0 when done, 2 for bad input or a non-finite loss, 130 after Ctrl-C and
+    143 after SIGTERM. In the training loop both save ``last.ckpt`` first and print the
+    command that resumes (:class:`~vit_mnist.callbacks.SaveOnInterrupt`); anywhere else
+    they stop at once with one line. Every file is written whole or not at all.
     """
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         return train(cfg)
+    except KeyboardInterrupt:
+        # Outside Lightning's loops: inside them Lightning exits with 1 instead (below).
+        log.warning(STOPPED, "Ctrl-C")
+        raise SystemExit(130) from None
     except SIGTERMException:
         # Lightning's SIGTERMException is a SystemExit with status 0: make it a failure.
         raise SystemExit(128 + signal.SIGTERM) from None
+    except SystemExit as e:
+        # Lightning's exit after Ctrl-C in a loop: sys.exit(1) while handling the interrupt.
+        if e.code == 1 and isinstance(e.__context__, KeyboardInterrupt):
+            raise SystemExit(128 + signal.SIGINT) from None
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)

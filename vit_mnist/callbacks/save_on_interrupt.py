@@ -7,6 +7,7 @@ from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vit_mnist.checkpointing import resume_command
@@ -18,9 +19,9 @@ class SaveOnInterrupt(L.Callback):
     """On Ctrl-C (SIGINT) or SIGTERM, save ``last.ckpt`` and print the command that resumes.
 
     Lightning stops the loop at the next batch boundary and calls ``on_exception``; the
-    process then exits non-zero (1 after SIGINT; 143 after SIGTERM, set by
-    ``vit_mnist.train.main``). Other exceptions, such as a non-finite loss, save nothing,
-    so the last good checkpoint is kept.
+    process then exits non-zero (130 after SIGINT, 143 after SIGTERM, set by
+    ``vit_mnist.train.main``). In the test after training nothing is saved. Other
+    exceptions, such as a non-finite loss, save nothing, so the last good checkpoint is kept.
 
     Nothing is saved before training has started (``on_train_start``, which Lightning calls
     after restoring a resumed checkpoint): until then the weights are the random initial
@@ -40,6 +41,12 @@ class SaveOnInterrupt(L.Callback):
         if not isinstance(exception, KeyboardInterrupt | SIGTERMException):
             return
         what = "Interrupted (Ctrl-C)" if isinstance(exception, KeyboardInterrupt) else "SIGTERM"
+        stage = trainer.state.fn
+        if stage != TrainerFn.FITTING:
+            # The test after training: the weights are the best checkpoint's, not the
+            # run's last ones, and the checkpoints are already complete.
+            log.warning("%s during %s: nothing saved; the checkpoints are whole", what, stage.value)
+            return
         if not self._training_started:
             log.warning(
                 "%s before training started: nothing saved, no file changed. "
