@@ -79,6 +79,17 @@ def _private_cache(tmp_path_factory):
         os.environ["VIT_MNIST_CACHE"] = old
 
 
+@pytest.fixture(autouse=True)
+def _deterministic_mode_put_back():
+    """``trainer.deterministic=true`` turns on torch's deterministic algorithms for the
+    whole process, and inductor keys its compile cache on that setting: left on, every
+    later compile in the worker misses the cache (18 s against 4 s for test_speed's)."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 @pytest.fixture(scope="session")
 def mnist_dir():
     """The real MNIST files (fetched or rebuilt offline once); skips where impossible."""
