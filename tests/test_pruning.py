@@ -146,3 +146,11 @@ def test_eval_prunes_and_the_pruned_checkpoint_evaluates_alike(tmp_path, make_tr
     assert tuned["model"]["num_heads"] == [1, 1] and tuned["init_from"] == str(pruned_ckpt)
     assert tuned["num_params"] == metrics["pruning/params_pruned"]
     assert tuned["epochs"] == 1
+
+    # trainer.limit_test_batches holds for every figure: the per-class report and each
+    # pruning step score the same one batch of 64 images as the test loop.
+    limited = [f"ckpt_path={ckpt}", "analysis=prune", "trainer.limit_test_batches=1", *common]
+    one_batch = evaluate(compose_config("eval", limited, tmp_path / "one"))
+    assert one_batch["num_test_images"] == 64
+    rows = list(csv.DictReader((tmp_path / "one" / "pruning.csv").open()))
+    assert float(rows[0]["test_acc"]) == pytest.approx(one_batch["test/acc"], abs=1e-6)

@@ -489,6 +489,43 @@ def test_timing_pays_the_loops_augmentation_in_every_step(monkeypatch):
     assert len(seen) == sum(steps.values()) > 2 and set(seen) == {(4, 1, 28, 28)}
 
 
+def test_under_cpu_ddp_each_process_times_its_steps_on_its_share_of_the_cores(monkeypatch, caplog):
+    """Two DDP processes on a CPU each train on half the cores (Lightning sets it when fit
+    starts): the speed choice times and names that, not the whole machine's threads."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from vit_mnist.module import ViTClassifier
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = dict(patch_size=14, embed_dim=16, depth=1, num_heads=2)
+        cfg = OmegaConf.create(
+            {
+                "speed": {"path": "reference", "compile": False, "cache": False},
+                "trainer": {
+                    "accelerator": "cpu",
+                    "strategy": "ddp",
+                    "devices": 2,
+                    "precision": "32-true",
+                },
+                "data": {"batch_size": 4},
+                "model": model,
+            }
+        )
+        with caplog.at_level(logging.INFO, logger="vit_mnist.speed.choose"):
+            prepare_speed(ViTClassifier(model=model), cfg)
+        share = max(1, len(os.sched_getaffinity(0)) // 2)
+        assert torch.get_num_threads() == share
+        (line,) = [r.getMessage() for r in caplog.records if "speed path" in r.getMessage()]
+        assert f"{share} thread" in line and "2 threads" not in line
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_every_compiled_path_names_an_eager_counterpart_and_no_eager_path_does():
     for name, path in PATHS.items():
         if path.compiles:

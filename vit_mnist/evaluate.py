@@ -122,14 +122,18 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         log.info("trained with precision=%s on a GPU; evaluating in 32-true on the CPU", precision)
         precision = "32-true"
     loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values()]
-    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers, precision=precision)
+    # The reports, heads and pruning run trainer.predict: as many batches as the test loop.
+    limit = {"limit_predict_batches": cfg.trainer.get("limit_test_batches", 1.0)}
+    trainer: L.Trainer = hydra.utils.instantiate(
+        cfg.trainer, logger=loggers, precision=precision, **limit
+    )
     results = trainer.test(module, datamodule=datamodule)[0]
     if split != "test":
         results = {k.replace("test/", f"{split}/", 1): v for k, v in results.items()}
 
     loader = datamodule.test_dataloader()
     logits, labels = predict(trainer, module, loader)
-    images = torch.cat([batch[0] for batch in loader])
+    images = torch.cat([batch[0] for batch in loader])[: len(labels)]
     num_classes = logits.shape[1]
     class_names = list(getattr(datamodule, "class_names", None) or map(str, range(num_classes)))
     rows, cm = class_report(logits, labels, class_names)
@@ -187,6 +191,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             logger=False,
             enable_progress_bar=False,
             enable_model_summary=False,
+            **limit,
         )
 
     if cfg.get("analysis") == "heads":

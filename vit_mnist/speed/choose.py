@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -330,13 +331,24 @@ def prepare_speed(module: Any, cfg: DictConfig, datamodule: Any = None) -> Choic
     each step, as the training loop pays it.
 
     Reads ``speed.path``, ``speed.compile``, ``speed.cache``, ``trainer.accelerator``,
-    ``trainer.precision``, ``data.batch_size`` and ``model``; logs the choice in one line.
+    ``trainer.precision``, ``trainer.strategy``, ``trainer.devices``, ``data.batch_size``
+    and ``model``; logs the choice in one line. Under DDP on CPU each process first takes
+    its share of the cores, as Lightning's launcher would at the start of fit.
 
     Raises:
         ConfigError: an unknown path, or a forced one that cannot run here.
     """
     speed = cfg.get("speed") or {}
     device = torch.device("cuda" if uses_cuda(str(cfg.trainer.get("accelerator"))) else "cpu")
+    processes = cfg.trainer.get("devices")
+    ddp = str(cfg.trainer.get("strategy", "auto")).startswith("ddp")
+    if device.type == "cpu" and ddp and isinstance(processes, int) and processes > 1:
+        # Lightning's DDP launcher gives each process its share of the cores when fit
+        # starts, unless OMP_NUM_THREADS says otherwise; the steps are timed as they will run.
+        if "OMP_NUM_THREADS" not in os.environ:
+            affinity = getattr(os, "sched_getaffinity", None)  # not on macOS
+            cores = len(affinity(0)) if affinity else os.cpu_count() or 1
+            torch.set_num_threads(max(1, cores // processes))
     choice = choose(
         module.net,
         model_args=OmegaConf.to_container(cfg.model, resolve=True),
