@@ -151,6 +151,26 @@ def test_a_signal_before_the_loop_stops_at_once_in_one_line(
     assert not (tmp_path / "train" / "metrics.json").exists()
 
 
+def test_sigterm_in_the_loop_waits_for_the_batch_but_not_for_a_compile(monkeypatch):
+    """Inside Lightning's loop SIGTERM stops at the next batch (Lightning's handler), but a
+    compile in the first step (30-60 s) is stopped at once."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from vit_mnist.train import _stop_on_sigterm
+
+    # Lightning's handler is the process's while its loop runs, and calls this one.
+    monkeypatch.setattr(signal, "getsignal", lambda signum: "lightning's handler")
+    namespace: dict = {}
+    exec(
+        compile("def frame(): return sys._getframe()", "/x/torch/_dynamo/f.py", "exec"),
+        {"sys": sys},
+        namespace,
+    )
+    _stop_on_sigterm(signal.SIGTERM, sys._getframe())  # a training step: nothing raised
+    with pytest.raises(SIGTERMException):
+        _stop_on_sigterm(signal.SIGTERM, namespace["frame"]())
+
+
 class SigtermInTest(L.Callback):
     """Sends this process SIGTERM as the test after training begins."""
 

@@ -265,10 +265,16 @@ STOPPED = "Stopped by %s outside the training loop; every file written so far is
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
     """SIGTERM outside Lightning's loops (data preparation, the speed timing, between fit
     and test): stop at once. Inside them Lightning's handler runs and calls this one too;
-    there the loop stops at the next batch and the callbacks say what they saved."""
+    there the loop stops at the next batch and the callbacks say what they saved, except
+    in a compile (the ``compile`` paths' first step, 30-60 s), which stops at once: no
+    weight has changed during it."""
     if signal.getsignal(signal.SIGTERM) is _stop_on_sigterm:
         log.warning(STOPPED, "SIGTERM")
         raise SIGTERMException
+    while frame is not None:
+        if "/torch/_dynamo/" in frame.f_code.co_filename:
+            raise SIGTERMException
+        frame = frame.f_back
 
 
 @exit_on_user_error
