@@ -192,16 +192,17 @@ def test_console_script_composes_the_same_config_anywhere(tmp_path, name):
     assert console.stdout == script.stdout and "task_name:" in console.stdout
 
 
-def test_console_script_trains_like_train_py(tmp_path):
+def test_console_script_trains_like_train_py_and_prints_each_line_once(tmp_path):
     run_dir = tmp_path / "run"
     script = str(console_script("vit-mnist-train"))
     # Both at once: a run, and bad input (the same one-line error and exit status as
     # python train.py).
     good = subprocess.Popen(
         [script, "data=synthetic", "trainer=cpu", "trainer.max_epochs=1", *TINY_MODEL]
-        + [f"hydra.run.dir={run_dir}", "speed.path=handwritten", "trainer.precision=32-true"],
+        + ["trainer.limit_train_batches=3"]  # shorter than log_every_n_steps (50)
+        + ["callbacks.progress_bar=null", f"hydra.run.dir={run_dir}"]
+        + ["speed.path=handwritten", "trainer.precision=32-true"],
         cwd=tmp_path,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -213,11 +214,33 @@ def test_console_script_trains_like_train_py(tmp_path):
         text=True,
         timeout=300,
     )
-    _, stderr = good.communicate(timeout=300)
+    stdout, stderr = good.communicate(timeout=300)
     assert good.returncode == 0, stderr[-3000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["model"]["num_heads"] == 2 and metrics["epochs"] == 1
     assert bad.returncode == 2 and bad.stderr.startswith("error: embed_dim=64")
+
+    # The console: each line once, no tips, no deprecation notes or warnings.
+    # Hydra's format puts a time stamp first; what follows it is the line itself.
+    lines = [line.split("] - ", 1)[-1] for line in (stdout + stderr).splitlines()]
+    logged = [line for line in lines if line.strip() and not set(line) <= set("-─| ")]
+    summary = [line for line in logged if "Trainable params" in line]
+    assert len(summary) == 1, stderr  # the model summary once
+    assert not any(line.startswith("INFO: ") for line in lines), stderr
+    assert "Tip" not in stdout + stderr
+    assert "is deprecated" not in stderr
+    warnings = [line for line in lines if re.search(r"\.py:\d+: ", line)]
+    assert not warnings, warnings
+    repeated = {line for line in logged if logged.count(line) > 1}
+    assert not repeated, repeated
+    speed = [
+        line for line in lines if line.startswith("speed path: handwritten, precision 32-true")
+    ]
+    assert len(speed) == 1
+    # An epoch shorter than the logging interval still logs train/loss (every step).
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [0, 1, 2]
 
 
 def test_every_package_is_installed():
@@ -264,49 +287,6 @@ def test_multirun_writes_under_outputs_and_survives_a_bad_job(tmp_path, capsys):
     assert results_main([str(sweep)]) == 0
     table = capsys.readouterr().out
     assert "1 failed job(s)" in table and "num_heads=3" in table
-
-
-def test_console_prints_each_line_once_without_tips_and_names_the_speed_path(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            "data=synthetic",
-            *TINY_MODEL,
-            "trainer.max_epochs=1",
-            "trainer.limit_train_batches=3",  # shorter than log_every_n_steps (50)
-            "speed.path=handwritten",
-            "trainer.precision=32-true",
-            "callbacks.progress_bar=null",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    # Hydra's format puts a time stamp first; what follows it is the line itself.
-    lines = [line.split("] - ", 1)[-1] for line in (result.stdout + result.stderr).splitlines()]
-    logged = [line for line in lines if line.strip() and not set(line) <= set("-─| ")]
-    summary = [line for line in logged if "Trainable params" in line]
-    assert len(summary) == 1, result.stderr  # the model summary once
-    assert not any(line.startswith("INFO: ") for line in lines), result.stderr
-    assert "Tip" not in result.stdout + result.stderr
-    assert "is deprecated" not in result.stderr
-    warnings = [line for line in lines if re.search(r"\.py:\d+: ", line)]
-    assert not warnings, warnings
-    text_lines = [line for line in logged if "it/s]" not in line]  # progress-bar frames aside
-    repeated = {line for line in text_lines if text_lines.count(line) > 1}
-    assert not repeated, repeated
-    speed = [
-        line for line in lines if line.startswith("speed path: handwritten, precision 32-true")
-    ]
-    assert len(speed) == 1
-    # An epoch shorter than the logging interval still logs train/loss (every step).
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
-    events.Reload()
-    assert [e.step for e in events.Scalars("train/loss")] == [0, 1, 2]
 
 
 def test_ctrl_c_while_starting_up_is_one_line(monkeypatch, capsys):
