@@ -72,9 +72,8 @@ class ViTClassifier(L.LightningModule):
     accuracy of the unshifted image alone.
 
     Raises:
-        ConfigError: a value that ``ModuleSettings`` (vit_mnist/settings.py) refuses,
-            named as its ``module.*`` key, and for the model
-            :func:`~vit_mnist.models.checks.check_vit_args`.
+        ConfigError: a value that ``ModuleSettings`` (vit_mnist/settings.py) refuses, named
+            as its ``module.*`` key, or :func:`~vit_mnist.models.checks.check_vit_args`.
     """
 
     def __init__(
@@ -102,13 +101,11 @@ class ViTClassifier(L.LightningModule):
         # plain callable, not a module, so checkpoints hold net.* alone.
         self.step_forward: Callable[[torch.Tensor], torch.Tensor] = self.net.__call__
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
-        num_classes = model.get("num_classes", 10)
-        self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
-        self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
-        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
-        self.test_acc_one_view = MulticlassAccuracy(num_classes=num_classes, average="micro")
-        self.val_loss = MeanMetric()
-        self.test_loss = MeanMetric()
+        classes = model.get("num_classes", 10)
+        self.train_acc, self.val_acc, self.test_acc, self.test_acc_one_view = (
+            MulticlassAccuracy(num_classes=classes, average="micro") for _ in range(4)
+        )
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.val_acc_best = MaxMetric()
         self.run_info: dict[str, Any] = {}  # data config, precision, seed: from train()
         self._resumed_val_acc_best: float | None = None
@@ -227,10 +224,7 @@ class ViTClassifier(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, **schedule, min_lr_ratio=hp.min_lr_ratio)
         )
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
-        }
+        return dict(optimizer=optimizer, lr_scheduler={"scheduler": scheduler, "interval": "step"})
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[RUN_INFO_KEY] = dict(self.run_info)
