@@ -32,6 +32,16 @@ def test_upload_predict_and_switch_a_head_off(tmp_path):
         with running_explorer(ckpt) as (explorer, url), chromium_page() as page:
             assert url.startswith("http://127.0.0.1:")
             page.goto(url)
+            # Draw tab: with the brush picked (the canvas asks for it), a stroke reaches
+            # the model as a drawing.
+            page.get_by_role("button", name="Brush").click()
+            box = page.locator("canvas").first.bounding_box()
+            x0, y0 = box["x"] + box["width"] / 2, box["y"] + box["height"] * 0.2
+            page.mouse.move(x0, y0)
+            page.mouse.down()
+            page.mouse.move(x0, y0 + box["height"] * 0.6, steps=20)
+            page.mouse.up()
+            assert "predicted: " in wait_for_summary(page, "drawing: ")
             page.get_by_role("tab", name="Upload").click()
             page.set_input_files("#upload input[type=file]", str(digit))
             text = wait_for_summary(page, "digit.png")

@@ -417,7 +417,7 @@ def build_page(explorer: Explorer):
                             fixed_canvas=True,
                             layers=False,
                             brush=gr.Brush(default_size=22, colors=["#000000"]),
-                            label="draw a digit",
+                            label="draw a digit (pick the brush on the left first)",
                         )
                     with gr.Tab("Upload"):
                         upload = gr.File(
