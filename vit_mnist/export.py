@@ -25,11 +25,11 @@ from vit_mnist.checkpointing import checkpoint_datamodule, read_checkpoint, reso
 from vit_mnist.errors import ConfigError, exit_on_user_error
 from vit_mnist.io import atomic_write_bytes
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
-from vit_mnist.settings import ExportSettings, check_settings
+from vit_mnist.settings import EXPORT_FORMATS, ExportSettings, check_settings
 
 log = logging.getLogger(__name__)
 
-FORMATS = {"onnx": ".onnx", "torchscript": ".pt"}
+FORMATS = EXPORT_FORMATS
 
 
 class PixelsToLogits(nn.Module):
@@ -213,16 +213,12 @@ def export(cfg: DictConfig) -> dict[str, Any]:
         ``path`` of the exported file and the :class:`ExportCheck` fields.
 
     Raises:
-        ConfigError: unknown ``format``, a non-positive ``check_images``, or an ``output``
-            that :func:`output_path` refuses (checked before any work).
+        ConfigError: a setting that ``ExportSettings`` (vit_mnist/settings.py) refuses, or
+            an ``output`` that :func:`output_path` refuses (checked before any work).
         CheckpointError: see :func:`vit_mnist.evaluate.read_checkpoint`.
     """
-    fmt = str(cfg.format)
-    if fmt not in FORMATS:
-        raise ConfigError(f"format={fmt!r} is unknown; use one of {list(FORMATS)}")
-    n = cfg.check_images
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        raise ConfigError(f"check_images={n!r} must be a positive integer")
+    check_settings(cfg, ExportSettings)
+    fmt, n = str(cfg.format), cfg.check_images
     ckpt_path = resolve_ckpt_path(cfg)
     path = output_path(cfg, Path(ckpt_path))
     run_info = read_checkpoint(ckpt_path).get(RUN_INFO_KEY, {})
@@ -250,5 +246,4 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     """The body of ``python scripts/export.py ckpt_path=PATH format=onnx|torchscript``."""
     if OmegaConf.is_missing(cfg, "ckpt_path"):
         raise ConfigError("ckpt_path is required: scripts/export.py ckpt_path=PATH format=onnx")
-    check_settings(cfg, ExportSettings)
     return export(cfg)

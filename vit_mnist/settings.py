@@ -332,13 +332,17 @@ class PredictSettings:
     paths: dict[str, Any] = field(default_factory=dict)
 
 
+# scripts/export.py's formats and the file suffix each writes.
+EXPORT_FORMATS = {"onnx": ".onnx", "torchscript": ".pt"}
+
+
 @dataclass
 class ExportSettings:
     """``python scripts/export.py`` (configs/export.yaml)."""
 
     task_name: str = _setting()
     ckpt_path: str = _setting(example="ckpt_path=latest")
-    format: str = _setting(choices=["onnx", "torchscript"])
+    format: str = _setting(choices=list(EXPORT_FORMATS))
     output: str | None = _setting()
     overwrite: bool = _setting()
     opset: int = _setting(ge=7, example="opset=18")

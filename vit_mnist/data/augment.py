@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vit_mnist.errors import ConfigError
+from vit_mnist.settings import AugmentSettings, check_arguments
 
 
 def _uniform(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
@@ -86,9 +87,8 @@ class BatchRandomAffine(nn.Module):
     Shapes: (batch, channels, H, W) float -> same shape and dtype.
 
     Raises:
-        ConfigError: negative ``degrees``, ``translate`` outside [0, 1], a non-positive or
-            reversed ``scale`` range, a negative ``elastic_alpha`` or a non-positive
-            ``elastic_sigma``.
+        ConfigError: a value that ``AugmentSettings`` (vit_mnist/settings.py) refuses,
+            named as its ``data.augment.*`` key, or a reversed ``scale`` range.
     """
 
     def __init__(
@@ -103,26 +103,15 @@ class BatchRandomAffine(nn.Module):
         elastic_sigma: float = 4.0,
     ) -> None:
         super().__init__()
-        self.hflip = bool(hflip)
-        if degrees < 0:
-            raise ConfigError(f"augment.degrees={degrees} must be >= 0 (e.g. 10)")
-        if not 0 <= translate <= 1:
-            # A fraction of the image size, as in torchvision's RandomAffine: translate=2
-            # would shift digits out of the picture.
-            raise ConfigError(
-                f"augment.translate={translate} must be a fraction of the image size in "
-                "[0, 1] (e.g. 0.1)"
-            )
+        # Each value's range: the schema's (AugmentSettings), named as in configs.
+        affine = dict(degrees=degrees, translate=translate, scale=list(scale), hflip=hflip)
+        elastic = dict(elastic_alpha=elastic_alpha, elastic_sigma=elastic_sigma)
+        check_arguments(AugmentSettings, {**affine, **elastic}, prefix="data.augment.")
         lo, hi = scale
-        if not 0 < lo <= hi:
-            raise ConfigError(f"augment.scale={list(scale)} must be [min, max] with 0 < min <= max")
+        if lo > hi:
+            raise ConfigError(f"data.augment.scale={list(scale)} must be [min, max], min <= max")
+        self.hflip = bool(hflip)
         self.degrees, self.translate, self.scale, self.fill = degrees, translate, (lo, hi), fill
-        if elastic_alpha < 0:
-            raise ConfigError(
-                f"augment.elastic_alpha={elastic_alpha} must be >= 0 pixels (0 = off, e.g. 34)"
-            )
-        if elastic_sigma <= 0:
-            raise ConfigError(f"augment.elastic_sigma={elastic_sigma} must be > 0 pixels (e.g. 4)")
         self.elastic_alpha, self.elastic_sigma = elastic_alpha, elastic_sigma
 
     def _elastic(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,7 +172,8 @@ class BatchRandomErasing(nn.Module):
     Shapes: (batch, channels, H, W) float -> same shape and dtype.
 
     Raises:
-        ConfigError: ``p`` outside [0, 1] or an empty ``area`` range.
+        ConfigError: ``p`` outside [0, 1] (``AugmentSettings.erasing``) or an empty
+            ``area`` range.
     """
 
     def __init__(
@@ -195,8 +185,7 @@ class BatchRandomErasing(nn.Module):
         fill: float = 0.0,
     ) -> None:
         super().__init__()
-        if not 0 <= p <= 1:
-            raise ConfigError(f"augment.erasing={p} is a probability: choose it in [0, 1]")
+        check_arguments(AugmentSettings, {"erasing": p}, prefix="data.augment.")
         if not 0 < area[0] <= area[1] < 1:
             raise ConfigError(f"random erasing area={list(area)} must satisfy 0 < min <= max < 1")
         self.p, self.area, self.ratio, self.fill = p, area, ratio, fill
