@@ -292,7 +292,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     except KeyboardInterrupt:
         # Outside Lightning's loops: inside them Lightning exits with 1 instead (below).
         log.warning(STOPPED, "Ctrl-C")
-        raise SystemExit(130) from None
+        raise SystemExit(128 + signal.SIGINT) from None
     except SIGTERMException:
         # Lightning's SIGTERMException is a SystemExit with status 0: make it a failure.
         raise SystemExit(128 + signal.SIGTERM) from None

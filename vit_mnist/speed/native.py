@@ -30,6 +30,7 @@ with the same numbers.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -129,7 +130,8 @@ def _build(source: Path, defines: tuple[str, ...], stem: str) -> Path:
         )
         if done.returncode != 0:
             why = f"{cxx} failed: {done.stderr.strip()[-500:]}"
-            atomic_write_bytes(failed, why.encode())
+            with contextlib.suppress(OSError):  # unremembered, the compiler's reason still shows
+                atomic_write_bytes(failed, why.encode())
             raise RuntimeError(why)
         os.replace(tmp, target)
     finally:
@@ -162,8 +164,12 @@ def build_failure(tokens: int, head_dim: int) -> str | None:
         warnings.simplefilter("ignore", RuntimeWarning)
         if _library(blocks, vectors) is not None:
             return None
-    stem = f"attention_cpu_{blocks}x{vectors}"
-    return FAILURES.get(stem, "the kernel library could not be loaded")
+    return FAILURES.get(_attention_stem(blocks, vectors), "the kernel library could not be loaded")
+
+
+def _attention_stem(blocks: int, vectors: int) -> str:
+    """The attention library's file-name stem for a shape class (and its FAILURES key)."""
+    return f"attention_cpu_{blocks}x{vectors}"
 
 
 def _library(blocks: int, vectors: int) -> ctypes.CDLL | None:
@@ -177,7 +183,7 @@ def _target_library(blocks: int, vectors: int, target: str | None) -> ctypes.CDL
     lib = _load(
         SOURCE,
         (*TARGET_FLAGS[target], f"-DATTN_NB={blocks}", f"-DATTN_DV={vectors}"),
-        f"attention_cpu_{blocks}x{vectors}",
+        _attention_stem(blocks, vectors),
         "the fused CPU attention kernel is not available; the explicit attention path runs "
         "on PyTorch operations instead (same numbers, slower)",
     )
