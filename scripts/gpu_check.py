@@ -126,9 +126,6 @@ def steps(out: Path, speedrun_seeds: int) -> list[Step]:
                 "--out",
                 str(out / "speedrun"),
                 "trainer.accelerator=gpu",
-                "trainer.devices=1",
-                "trainer.strategy=auto",
-                "data.batch_size=128",
             ],
         ),
     ]

@@ -32,5 +32,5 @@ def test_every_training_command_of_the_check_is_valid(tmp_path):
     seed_overrides = [a for a in speedrun.command if "=" in a]
     cfg = compose_config("train", ["experiment=speedrun", *seed_overrides], tmp_path)
     check_settings(cfg, SETTINGS["train"])
-    assert cfg.trainer.devices == 1 and cfg.trainer.strategy == "auto"
+    assert cfg.trainer.devices == 1 and "strategy" not in cfg.trainer  # one process
     assert "--seeds" in speedrun.command and "10" in speedrun.command

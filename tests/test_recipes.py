@@ -243,6 +243,17 @@ def test_results_table_names_test_time_augmentation_and_its_one_view_accuracy(tm
     assert "99.55 +- 0.07 (n=2), shifted copies averaged (one view: 99.35) |" in table
 
 
+def test_results_table_gives_the_whole_command_beside_the_fitting_time(tmp_path):
+    # scripts/speedrun.py adds command_wall_s; runs started otherwise show "-".
+    for seed, wall in [(1, 130.0), (2, 150.0)]:
+        more = {"fit_time_s": 100.0 + seed, "command_wall_s": wall}
+        fake_run(tmp_path / "timed" / str(seed), heads=4, seed=seed, acc=0.99, more=more)
+    fake_run(tmp_path / "plain" / "1", heads=8, seed=1, acc=0.99)
+    timed, plain = group_rows(find_runs([tmp_path / "timed", tmp_path / "plain"]))
+    assert timed.markdown()[5:7] == ["102", "140"]
+    assert plain.markdown()[5:7] == ["101", "-"]
+
+
 def test_results_command_quotes_what_a_shell_would_expand(tmp_path):
     for seed in (1, 2):
         extra = ["data.augment.scale=[0.95,1.05]"]

@@ -200,3 +200,15 @@ def test_device_line_names_threads_and_processes(monkeypatch, threads, processes
     monkeypatch.setattr(hardware, "cpu_class", lambda: "AVX2")
     monkeypatch.setattr(hardware.torch, "get_num_threads", lambda: threads)
     assert hardware.describe_device(torch.device("cpu"), processes) == expected
+
+
+def test_device_line_names_a_class_held_below_the_cpu(monkeypatch):
+    # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU: the results table must not file the run
+    # under the CPU's own class.
+    from vit_mnist.speed import hardware
+
+    monkeypatch.setattr(hardware, "cpu_name", lambda: "CPU")
+    monkeypatch.setattr(hardware, "cpu_class", lambda: "AVX512-BF16")
+    monkeypatch.setattr(hardware, "isa_class", lambda: "AVX2")
+    monkeypatch.setattr(hardware.torch, "get_num_threads", lambda: 2)
+    assert hardware.describe_device(torch.device("cpu")) == "cpu (CPU, AVX2 on AVX512-BF16, 2 threads)"

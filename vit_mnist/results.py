@@ -96,6 +96,9 @@ class Row:
         mean, std = self.test_acc
         val = self._values("val/acc_best")
         fit = self.fit_times()
+        # Start-up, data, compile and test included; measured from outside the process, so
+        # only runs started by scripts/speedrun.py have it.
+        command = self._values("command_wall_s")
         test = f"{mean:.2f} +- {std:.2f} (n={len(seeds)})"
         one_view = [100 * v for v in self._values("test/acc_one_view")]
         if one_view:  # module.test_time_shift: the accuracy above averages shifted copies
@@ -107,6 +110,7 @@ class Row:
             str(m.get("epochs")),
             f"{self.runs[0].device()}, {m.get('precision')}",
             _seconds(statistics.fmean(fit)) if fit else "-",
+            _seconds(statistics.fmean(command)) if command else "-",
             test,
             f"{100 * statistics.fmean(val):.2f}" if val else "-",
             f"`{self.command()}`",
@@ -192,6 +196,7 @@ HEADER = [
     "epochs",
     "hardware, precision",
     "fitting time (s, mean)",
+    "whole command (s, mean)",
     "test acc % (mean +- std over seeds)",
     "best val acc % (mean)",
     "command",
@@ -277,6 +282,7 @@ def heads_sweep_table(rows: Sequence[Row]) -> str:
         "best val acc % (mean)",
         "train - val acc at the end (pp, mean)",
         "fitting time (s, mean)",
+    "whole command (s, mean)",
         "entropy, nats: median (10th-90th pct.)",
         "mean attention distance, px: median (10th-90th pct.)",
         "acc drop when zeroed, pp: median (max)",

@@ -117,12 +117,17 @@ def describe_device(device: torch.device, processes: int = 1) -> str:
     """A human-readable device line: ``cpu (AMD EPYC, AVX512-BF16, 2 threads)`` (the CPU
     class as :func:`cpu_class` gives it), or with ``processes`` above 1 (DDP on one
     machine), ``cpu (AMD EPYC, AVX512-BF16, 2 processes x 1 thread)``; on CUDA
-    ``cuda (NVIDIA H100 80GB HBM3)``, with ``2 x`` in front for two processes."""
+    ``cuda (NVIDIA H100 80GB HBM3)``, with ``2 x`` in front for two processes. Where
+    ``ATEN_CPU_CAPABILITY`` holds PyTorch's kernels below the CPU's class, the line says so:
+    ``cpu (AMD EPYC, AVX2 on AVX512-BF16, 2 threads)``."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return f"cuda ({name})" if processes == 1 else f"cuda ({processes} x {name})"
     threads = torch.get_num_threads()
     per_process = f"{threads} thread{'s' if threads != 1 else ''}"
+    cls, running = cpu_class(), isa_class()
+    if cls != "default" and running != cls:  # an x86 CPU run as a lower class
+        cls = f"{running} on {cls}"
     if processes == 1:
-        return f"cpu ({cpu_name()}, {cpu_class()}, {per_process})"
-    return f"cpu ({cpu_name()}, {cpu_class()}, {processes} processes x {per_process})"
+        return f"cpu ({cpu_name()}, {cls}, {per_process})"
+    return f"cpu ({cpu_name()}, {cls}, {processes} processes x {per_process})"
