@@ -26,12 +26,12 @@ def test_speedrun_recipe_composes_as_documented(tmp_path):
     # Nothing fixed by one machine: path, precision and device as the default run's, in
     # the default's one process; 128 images per step.
     default = compose_config("train", [], tmp_path)
-    assert cfg.trainer == {**default.trainer, "max_epochs": 9, "check_val_every_n_epoch": 9}
+    assert cfg.trainer == {**default.trainer, "max_epochs": 10, "check_val_every_n_epoch": 10}
     assert cfg.speed == default.speed and cfg.speed.path == "auto"
     assert cfg.data.batch_size == 128 and cfg.module.test_time_shift == 1
     assert cfg.callbacks.get("attention_maps") is None
     # One validation, after the last epoch, wherever the user moves the last epoch.
-    assert cfg.trainer.check_val_every_n_epoch == cfg.trainer.max_epochs == 9
+    assert cfg.trainer.check_val_every_n_epoch == cfg.trainer.max_epochs == 10
     longer = compose_config("train", ["experiment=speedrun", "trainer.max_epochs=20"], tmp_path)
     assert longer.trainer.check_val_every_n_epoch == 20
 
