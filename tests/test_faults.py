@@ -14,6 +14,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from tests.conftest import ROOT, TINY_MODEL
 from vit_mnist.checkpointing import (
@@ -455,13 +456,18 @@ def test_resume_names_the_settings_it_keeps_from_the_checkpoint(make_train_cfg, 
     resumed = make_train_cfg(
         "trainer.max_epochs=2", f"ckpt_path={last}", "module.lr=0.5", output_dir=tmp_path / "r"
     )
+    recorded = tmp_path / "r" / ".hydra" / "config.yaml"  # what Hydra writes at the start
+    recorded.parent.mkdir(parents=True)
+    recorded.write_text(OmegaConf.to_yaml(resumed))
     with caplog.at_level(logging.WARNING):
         metrics = train(resumed)
     (line,) = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert "module.lr=0.5 (keeps " in line and "init_from=" in line
-    # What the run records is what trained: the checkpoint's learning rate.
+    # What the run records is what trained: the checkpoint's learning rate, in the
+    # checkpoint's hyperparameters and in the run's recorded config.
     saved = read_checkpoint(metrics["best_ckpt"])["hyper_parameters"]
     assert saved["lr"] == part.module.lr != 0.5
+    assert OmegaConf.load(recorded).module.lr == part.module.lr
     # Another batch size would run on a schedule laid out for the checkpoint's: refused.
     other = make_train_cfg(
         "trainer.max_epochs=2", f"ckpt_path={last}", "data.batch_size=32", output_dir=tmp_path / "b"

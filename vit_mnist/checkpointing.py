@@ -269,7 +269,8 @@ RESUMED_MODULE_KEYS = ("lr", "weight_decay", "betas", "warmup_epochs", "min_lr_r
 def _keep_what_resumes(cfg: DictConfig, ckpt: dict[str, Any], path: Path) -> None:
     """Put the checkpoint's optimizer and schedule settings into ``cfg.module`` (so the
     run's recorded hyperparameters are those that train) and name, in one warning line,
-    each that the command line changed.
+    each that the command line changed. Hydra wrote the run's ``.hydra/config.yaml`` before
+    this ran; where settings were kept, that file is written again with them.
 
     Raises:
         ConfigError: ``data.batch_size`` differs from the checkpoint's: the schedule's step
@@ -295,6 +296,9 @@ def _keep_what_resumes(cfg: DictConfig, ckpt: dict[str, Any], path: Path) -> Non
                 ignored.append(f"module.{key}={asked} (keeps {kept})")
                 cfg.module[key] = kept
     if ignored:
+        recorded = Path(cfg.paths.output_dir) / ".hydra" / "config.yaml"
+        if recorded.is_file():  # as Hydra writes it: unresolved, without the hydra node
+            atomic_write_bytes(recorded, OmegaConf.to_yaml(cfg).encode())
         log.warning(
             "%s ignored: the optimizer and its schedule resume from %s; start a new run "
             "with init_from=%s to train with other settings",
