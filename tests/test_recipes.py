@@ -254,6 +254,19 @@ def test_results_table_gives_the_whole_command_beside_the_fitting_time(tmp_path)
     assert plain.markdown()[5:7] == ["101", "-"]
 
 
+def test_results_table_gives_each_cpu_class_its_own_row(tmp_path):
+    # The speedrun's 5 seeds on an AVX-512 CPU and again under AVX2 emulation: one command.
+    for seed in (1, 2):
+        for cls in ("AVX512-BF16", "AVX2 on AVX512-BF16"):
+            more = {"device": f"cpu (EPYC, {cls}, 2 threads)"}
+            fake_run(tmp_path / cls / str(seed), heads=4, seed=seed, acc=0.99, more=more)
+    rows = group_rows(find_runs([tmp_path / "AVX512-BF16", tmp_path / "AVX2 on AVX512-BF16"]))
+    assert [(row.runs[0].device(), len(row.runs)) for row in rows] == [
+        ("cpu (EPYC, AVX512-BF16, 2 threads)", 2),
+        ("cpu (EPYC, AVX2 on AVX512-BF16, 2 threads)", 2),
+    ]
+
+
 def test_results_command_quotes_what_a_shell_would_expand(tmp_path):
     for seed in (1, 2):
         extra = ["data.augment.scale=[0.95,1.05]"]
