@@ -305,6 +305,25 @@ def test_ctrl_c_while_starting_up_is_one_line(monkeypatch, capsys):
     )
 
 
+@pytest.mark.parametrize(("code", "at_once"), [(130, True), (143, True), (2, False), (0, False)])
+def test_a_stop_by_a_signal_exits_without_the_interpreters_teardown(monkeypatch, code, at_once):
+    # Tearing torch and Lightning down took 1.4-1.8 s from the signal to the exit; the
+    # program has written, closed and said everything by then, the log handlers aside.
+    from vit_mnist import cli
+
+    calls = []
+    monkeypatch.setattr(cli.logging, "shutdown", lambda: calls.append("flush logs"))
+    monkeypatch.setattr(cli.os, "_exit", lambda status: calls.append(status))
+
+    @cli._command_line
+    def stopped():
+        raise SystemExit(code)
+
+    with pytest.raises(SystemExit):  # os._exit is replaced here, so the stop goes on
+        stopped()
+    assert calls == (["flush logs", code] if at_once else [])
+
+
 def test_hydra_errors_are_told_apart_by_type_and_the_one_message_read_is_pinned():
     """vit_mnist.cli recognises Hydra's composition errors by their types and attributes;
     the one it must read (``+key`` on a key that exists has no type of its own) is pinned

@@ -211,4 +211,6 @@ def test_device_line_names_a_class_held_below_the_cpu(monkeypatch):
     monkeypatch.setattr(hardware, "cpu_class", lambda: "AVX512-BF16")
     monkeypatch.setattr(hardware, "isa_class", lambda: "AVX2")
     monkeypatch.setattr(hardware.torch, "get_num_threads", lambda: 2)
-    assert hardware.describe_device(torch.device("cpu")) == "cpu (CPU, AVX2 on AVX512-BF16, 2 threads)"
+    assert (
+        hardware.describe_device(torch.device("cpu")) == "cpu (CPU, AVX2 on AVX512-BF16, 2 threads)"
+    )
