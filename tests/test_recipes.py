@@ -252,6 +252,8 @@ def test_results_table_gives_the_whole_command_beside_the_fitting_time(tmp_path)
     timed, plain = group_rows(find_runs([tmp_path / "timed", tmp_path / "plain"]))
     assert timed.markdown()[5:7] == ["102", "140"]
     assert plain.markdown()[5:7] == ["101", "-"]
+    table = markdown_table([timed, plain])
+    assert len({line.count(" | ") for line in table.strip().splitlines()}) == 1
 
 
 def test_results_table_gives_each_cpu_class_its_own_row(tmp_path):
@@ -295,6 +297,8 @@ def test_heads_report_summarises_every_head_and_replaces_its_own_section(tmp_pat
     # 4 heads: distances 5, 10, 15, 20 px -> median 12.50, 10th-90th percentile 6.50-18.50.
     assert "| 4 | 16 | 1 | 98.00 +- 0.00 | 90.00 | +9.00 | 101 |" in table
     assert "12.50 (6.50-18.50)" in table and "2.50 (4.00)" in table
+    # The header and every row have as many cells.
+    assert len({line.count(" | ") for line in table.strip().splitlines()}) == 1
     report = tmp_path / "docs" / "results.md"
     report.parent.mkdir()
     report.write_text("# Results\n\nkept\n")

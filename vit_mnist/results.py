@@ -283,7 +283,6 @@ def heads_sweep_table(rows: Sequence[Row]) -> str:
         "best val acc % (mean)",
         "train - val acc at the end (pp, mean)",
         "fitting time (s, mean)",
-        "whole command (s, mean)",
         "entropy, nats: median (10th-90th pct.)",
         "mean attention distance, px: median (10th-90th pct.)",
         "acc drop when zeroed, pp: median (max)",
