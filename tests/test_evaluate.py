@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from tests.conftest import compose_config
+from tests.test_distributed import read_events
 from tests.test_train import check_run
 from vit_mnist.analysis.heads import heads_zeroed
 from vit_mnist.checkpointing import resolve_ckpt_path
@@ -122,6 +123,40 @@ def test_head_importance(synthetic_ckpt, tmp_path):
     assert metrics["head_importance"]["baseline"]["acc"] == pytest.approx(metrics["test/acc"])
     assert -1 <= metrics["heads/spearman_grad_vs_ablation"] <= 1
     assert (tmp_path / "head_importance.png").is_file()
+
+
+def test_roles_analysis_on_the_validation_images(synthetic_ckpt, tmp_path):
+    """eval.py analysis=roles: every head's role figures and per-class ablation, in
+    roles.csv, roles.png, metrics.json and TensorBoard; on split=val as on test."""
+    from vit_mnist.analysis.roles import ROLE_COLUMNS
+
+    ckpt, _ = synthetic_ckpt
+    overrides = [f"ckpt_path={ckpt}", "trainer=cpu", "analysis=roles", "split=val"]
+    metrics = evaluate(compose_config("eval", overrides, tmp_path))
+    rows = list(csv.DictReader((tmp_path / "roles.csv").open()))
+    assert [(int(r["layer"]), int(r["head"])) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    classes = [f"acc_drop_{c}" for c in range(10)]
+    assert list(rows[0]) == [
+        "layer",
+        "head",
+        *ROLE_COLUMNS,
+        "acc_drop",
+        *classes,
+        "most_hurt_class",
+    ]
+    for r in rows:
+        for share, area in (("ink_share", "ink_area"), ("end_share", "end_area")):
+            assert 0 <= float(r[share]) <= 1 and 0 <= float(r[area]) <= 1
+        assert 0 <= float(r["entropy_nats"]) <= np.log(17) + 1e-4
+        drops = [float(r[c]) for c in classes]
+        assert r["most_hurt_class"] == str(int(np.argmax(drops)))
+        assert all(-1 <= d <= 1 for d in drops)
+    assert metrics["head_roles"][0]["ink_share"] == pytest.approx(float(rows[0]["ink_share"]))
+    assert metrics["num_val_images"] == 128
+    assert (tmp_path / "roles.png").is_file()
+    series, _ = read_events(tmp_path)
+    assert "roles/ink_share/layer_1/head_1" in series
+    assert "roles/acc_drop/layer_0/head_0" in series
 
 
 def test_faithfulness_analysis(synthetic_ckpt, tmp_path):

@@ -18,6 +18,7 @@ from vit_mnist.analysis.attention import attention_report, cls_attention
 from vit_mnist.analysis.heads import heads_switched_off, heads_zeroed
 from vit_mnist.analysis.pruning import prune_heads
 from vit_mnist.analysis.relevance import class_relevance
+from vit_mnist.analysis.roles import ROLE_COLUMNS
 from vit_mnist.callbacks.attention_maps import panel_indices
 from vit_mnist.errors import ConfigError
 from vit_mnist.explorer import Explorer, load_explorer, main, original_heads, read_head_table
@@ -195,8 +196,24 @@ def test_head_table_from_eval_csv(tmp_path):
         "layer,head,acc,loss,acc_drop,loss_increase,grad_importance,entropy_nats,"
         "mean_distance_px\n0,0,0.9,0.3,0.01,0.1,0.2,1.5,7.0\n0,1,0.8,0.4,0.11,0.2,0.3,1.2,5.0\n"
     )
-    table = read_head_table(path)
+    headers, table = read_head_table(path)
+    assert headers[:3] == ["layer", "head", "acc_drop (points)"] and "grad_importance" in headers
     assert [row[:3] for row in table] == [[0, 1, 11.0], [0, 0, 1.0]]
+    # eval.py analysis=roles' roles.csv: the role figures instead.
+    roles = tmp_path / "roles.csv"
+    columns = ["layer", "head", *ROLE_COLUMNS, "acc_drop", "acc_drop_0", "most_hurt_class"]
+    values = [0, 0, *range(len(ROLE_COLUMNS)), 0.02, 0.05, "0"]
+    roles.write_text(",".join(columns) + "\n" + ",".join(map(str, values)) + "\n")
+    headers, table = read_head_table(roles)
+    assert headers == ["layer", "head", "acc_drop (points)", *ROLE_COLUMNS, "most_hurt_class"]
+    assert table == [[0, 0, 2.0, *map(float, range(len(ROLE_COLUMNS))), "0"]]
+    # The page shows the table under those headers.
+    pytest.importorskip("gradio", reason="the explorer's page needs Gradio (extra explore)")
+    from vit_mnist.explorer import build_page
+
+    explorer = Explorer(model=tiny_module().net.eval(), head_table=(headers, table))
+    frames = [b for b in build_page(explorer).blocks.values() if type(b).__name__ == "Dataframe"]
+    assert [list(f.headers) for f in frames] == [headers]
     with pytest.raises(ConfigError, match="heads_csv=.*missing.csv cannot be read"):
         read_head_table(tmp_path / "missing.csv")
 

@@ -20,6 +20,7 @@ from vit_mnist.analysis.faithfulness import (
     perturbation_test,
 )
 from vit_mnist.analysis.heads import (
+    class_head_importance,
     gradient_head_importance,
     head_importance,
     head_importance_figure,
@@ -33,6 +34,7 @@ from vit_mnist.analysis.per_class import (
     predict,
 )
 from vit_mnist.analysis.pruning import accuracy_at, prune_iteratively, pruning_figure
+from vit_mnist.analysis.roles import ROLE_COLUMNS, head_roles, roles_figure
 from vit_mnist.checkpointing import (
     AtomicCheckpointIO,
     checkpoint_datamodule,
@@ -49,10 +51,10 @@ log = logging.getLogger(__name__)
 
 
 def _check_analysis_and_split(cfg: DictConfig) -> None:
-    # Each alone is checked by the schema (EvalSettings); together, the analyses need the
-    # test images.
+    # Each alone is checked by the schema (EvalSettings); together, the analyses but roles
+    # need the test images (roles asks what heads look at, which validation images show).
     split = cfg.get("split", "test")
-    if split != "test" and cfg.get("analysis") is not None:
+    if split != "test" and cfg.get("analysis") not in (None, "roles"):
         raise ConfigError(
             f"analysis={cfg.analysis} runs on the test images; drop split={split} to run it"
         )
@@ -213,6 +215,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                 writer=writer,
             )
         )
+    elif cfg.get("analysis") == "roles":
+        mean, std = getattr(datamodule, "mean", 0.0), getattr(datamodule, "std", 1.0)
+        metrics["head_roles"] = analyse_roles(
+            quiet(), module, loader, images, images * std + mean, class_names, out, writer
+        )
     elif cfg.get("analysis") == "prune":
         metrics.update(
             analyse_pruning(quiet(), module, ckpt, datamodule, cfg.get("prune") or {}, out, writer)
@@ -280,6 +287,60 @@ def analyse_heads(trainer, module, loader, images, out: Path, writer) -> dict[st
             f"{r['entropy_nats']:8.3f} {r['mean_distance_px']:8.2f}"
         )
     return {"baseline": baseline, "heads": rows, "spearman_grad_vs_ablation": spearman}
+
+
+def analyse_roles(
+    trainer: L.Trainer,
+    module: ViTClassifier,
+    loader,
+    images: torch.Tensor,
+    pixels: torch.Tensor,
+    class_names: list[str],
+    out: Path,
+    writer,
+) -> list[dict[str, Any]]:
+    """What each head does (:mod:`vit_mnist.analysis.roles`): ``roles.csv``,
+    ``roles.png`` and TensorBoard scalars ``roles/<figure>/layer_<l>/head_<h>``.
+
+    Args:
+        images: the split's images as the model takes them (N, C, H, W), normalised.
+        pixels: the same images in [0, 1], ink bright.
+
+    Returns:
+        The CSV's rows: ``layer``, ``head``, the role figures (``ROLE_COLUMNS``), and the
+        per-class accuracy drops of :func:`class_head_importance`.
+    """
+    rows = head_roles(module.net, images, pixels)
+    drops = class_head_importance(trainer, module, loader, class_names)
+    for row, drop in zip(rows, drops, strict=True):
+        row.update({k: v for k, v in drop.items() if k not in ("layer", "head")})
+    write_csv(out / "roles.csv", rows)
+    figure = roles_figure(rows, class_names, f"what each head looks at, {len(images)} images")
+    if writer is not None:
+        for r in rows:
+            tag = f"layer_{r['layer']}/head_{r['head']}"
+            for key in (*ROLE_COLUMNS, "acc_drop"):
+                writer.add_scalar(f"roles/{key}/{tag}", r[key])
+        writer.add_figure("roles", figure, close=False)
+    save_figure(figure, out / "roles.png")
+    print(
+        f"{'layer':>5} {'head':>4} {'ink':>11} {'centre_px':>11} {'ends':>11} {'curves':>11} "
+        f"{'dist_px':>7} {'entropy':>7} {'drop':>6}  most hurt"
+    )
+    for r in rows:
+        print(
+            f"{r['layer']:>5} {r['head']:>4} {r['ink_share']:5.2f}/{r['ink_area']:<5.2f} "
+            f"{r['centre_distance_px']:5.2f}/{r['centre_distance_uniform_px']:<5.2f} "
+            f"{r['end_share']:5.2f}/{r['end_area']:<5.2f} "
+            f"{r['curve_share']:5.2f}/{r['curve_area']:<5.2f} "
+            f"{r['mean_distance_px']:7.2f} {r['entropy_nats']:7.3f} {100 * r['acc_drop']:6.2f}  "
+            f"{r['most_hurt_class']}"
+        )
+    print(
+        "(ink, ends, curves: the CLS token's attention share / the area share; centre: "
+        "attended / uniform distance to the centre of ink mass)"
+    )
+    return rows
 
 
 def analyse_pruning(

@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
 from vit_mnist.analysis.explain import ImageExplanation, explain_image
+from vit_mnist.analysis.roles import ROLE_COLUMNS
 from vit_mnist.callbacks.attention_maps import panel_indices
 from vit_mnist.checkpointing import checkpoint_datamodule, read_checkpoint, resolve_ckpt_path
 from vit_mnist.drawing import colorize, grey, overlay, tile_table
@@ -44,7 +45,8 @@ ZOOM = 8  # screen pixels per image pixel of the 28 x 28 input and the explanati
 TOP_K = 3  # classes in the prediction panel
 LAUNCH_TRIES = 3
 PREDICTED = -1  # the explanation dropdown's value for "the predicted class"
-# The columns of eval.py's head_importance.csv that the head table shows, in this order.
+# The columns of eval.py's head_importance.csv (analysis=heads) that the head table shows,
+# in this order; and those of its roles.csv (analysis=roles).
 HEAD_TABLE_COLUMNS = (
     "layer",
     "head",
@@ -54,6 +56,7 @@ HEAD_TABLE_COLUMNS = (
     "entropy_nats",
     "mean_distance_px",
 )
+ROLE_TABLE_COLUMNS = ("layer", "head", "acc_drop", *ROLE_COLUMNS, "most_hurt_class")
 # System fonts only: Gradio's default theme asks Google Fonts, which an offline machine
 # cannot reach (the page then waits on it).
 FONTS = ["ui-sans-serif", "system-ui", "sans-serif"]
@@ -79,28 +82,36 @@ def original_heads(ckpt: dict[str, Any]) -> list[list[int]]:
     return heads
 
 
-def read_head_table(path: str | Path) -> list[list[Any]]:
-    """The rows of ``eval.py analysis=heads``' ``head_importance.csv``, most important
-    (largest accuracy drop) first, as :data:`HEAD_TABLE_COLUMNS`; ``acc_drop`` in points.
+def read_head_table(path: str | Path) -> tuple[list[str], list[list[Any]]]:
+    """The headers and rows of the head table: ``eval.py analysis=heads``'
+    ``head_importance.csv`` (:data:`HEAD_TABLE_COLUMNS`) or ``analysis=roles``' ``roles.csv``
+    (:data:`ROLE_TABLE_COLUMNS`), most important (largest accuracy drop) first; ``acc_drop``
+    in points.
 
     Raises:
         ConfigError: the file is missing or lacks one of the columns.
     """
     path = Path(path)
-    fix = "give heads_csv=<eval run>/head_importance.csv (eval.py ckpt_path=... analysis=heads)"
+    fix = (
+        "give heads_csv=<eval run>/head_importance.csv or roles.csv "
+        "(eval.py ckpt_path=... analysis=heads or analysis=roles)"
+    )
     try:
         with path.open(newline="") as f:
             rows = list(csv.DictReader(f))
     except OSError as e:
         raise ConfigError(f"heads_csv={path} cannot be read ({e.strerror or e}); {fix}") from None
-    missing = [c for c in HEAD_TABLE_COLUMNS if rows and c not in rows[0]]
+    columns = ROLE_TABLE_COLUMNS if rows and "ink_share" in rows[0] else HEAD_TABLE_COLUMNS
+    missing = [c for c in columns if rows and c not in rows[0]]
     if not rows or missing:
         raise ConfigError(f"heads_csv={path} has no rows or lacks columns {missing}; {fix}")
     table = []
     for r in sorted(rows, key=lambda r: -float(r["acc_drop"])):
         values = [int(r["layer"]), int(r["head"]), round(100 * float(r["acc_drop"]), 3)]
-        table.append(values + [float(r[c]) for c in HEAD_TABLE_COLUMNS[3:]])
-    return table
+        table.append(
+            values + [r[c] if c == "most_hurt_class" else float(r[c]) for c in columns[3:]]
+        )
+    return ["layer", "head", "acc_drop (points)", *columns[3:]], table
 
 
 @dataclass
@@ -144,7 +155,7 @@ class Explorer:
         examples: the validation panel of the TensorBoard callback, one image per class,
             as (images (10, 1, 28, 28) normalised, labels (10,)); None without the data.
         test_set: the test split (``dataset[i] -> (image, label)``), or None.
-        head_table: :func:`read_head_table`'s rows, or None.
+        head_table: :func:`read_head_table`'s headers and rows, or None.
         title: a line naming the checkpoint.
     """
 
@@ -155,7 +166,7 @@ class Explorer:
     head_names: list[list[int]] = field(default_factory=list)
     examples: tuple[torch.Tensor, torch.Tensor] | None = None
     test_set: Any = None
-    head_table: list[list[Any]] | None = None
+    head_table: tuple[list[str], list[list[Any]]] | None = None
     title: str = ""
 
     def __post_init__(self) -> None:
@@ -516,12 +527,9 @@ def build_page(explorer: Explorer):
                 )
                 matrix = gr.Image(label="attention matrix", interactive=False, format="png")
         if explorer.head_table is not None:
-            with gr.Accordion("heads by importance (eval.py analysis=heads)", open=False):
-                gr.Dataframe(
-                    value=explorer.head_table,
-                    headers=["layer", "head", "acc_drop (points)", *HEAD_TABLE_COLUMNS[3:]],
-                    interactive=False,
-                )
+            headers, rows = explorer.head_table
+            with gr.Accordion("heads by importance (eval.py analysis=heads or roles)", open=False):
+                gr.Dataframe(value=rows, headers=headers, interactive=False)
 
         controls = [target, layer, token, matrix_head, *switches]
         outputs = [prediction, summary, seen, model_view, query_view, matrix, rollout, relevance]

@@ -308,7 +308,7 @@ class EvalSettings:
     task_name: str = _setting()
     seed: int = _seed()
     ckpt_path: str = _setting(example="ckpt_path=latest")
-    analysis: str | None = _setting(choices=[None, "heads", "faithfulness", "prune"])
+    analysis: str | None = _setting(choices=[None, "heads", "faithfulness", "prune", "roles"])
     split: str = _setting(choices=["test", "val"])
     test_time_shift: int | None = _test_time_shift("test_time_shift")
     faithfulness: FaithfulnessSettings = field(default_factory=FaithfulnessSettings)
