@@ -14,6 +14,13 @@ is zeroed, on the first 2 000 test images (--heads-test-fraction), its attention
 and mean attention distance (on the first 1 000). --heads-report then writes
 the heads table, docs/heads_sweep.png (accuracy) and docs/heads_sweep_heads.png (per head)
 into the given Markdown file, between the markers HEADS_START and HEADS_END.
+
+--analyse-roles runs `python eval.py analysis=roles` on each run's best checkpoint (into
+<run dir>/roles/, on the whole test set), and --roles-report writes, per token count, the
+accuracy table and, per layer, the spread of the heads' role figures into the given
+Markdown file, between ROLES_START and ROLES_END:
+python scripts/results.py outputs/heads_sweep_p4 outputs/heads_sweep_p7 --analyse-roles \
+    --roles-report docs/results.md
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from pathlib import Path
 from vit_mnist.io import atomic_write_bytes
 from vit_mnist.results import (
     HEADS_FILE,
+    ROLES_FILE,
     find_failed,
     find_runs,
     group_rows,
@@ -33,33 +41,38 @@ from vit_mnist.results import (
     heads_sweep_figure,
     heads_sweep_table,
     markdown_table,
+    patch_tokens,
+    roles_table,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS_START = "<!-- heads sweep: written by scripts/results.py --heads-report -->"
 HEADS_END = "<!-- end of the heads sweep -->"
+ROLES_START = "<!-- head roles: written by scripts/results.py --roles-report -->"
+ROLES_END = "<!-- end of the head roles -->"
 
 
-def analyse_heads(runs, test_fraction: float) -> None:
-    """``eval.py analysis=heads`` on every run's best checkpoint that has no analysis yet,
-    on the first ``test_fraction`` of the test set (each head is zeroed in turn, and each
-    time the test images are run again: 96 times for 16 heads in 6 blocks)."""
+def analyse_heads(runs, test_fraction: float, analysis: str = "heads") -> None:
+    """``eval.py analysis=heads`` (or ``roles``) on every run's best checkpoint that has no
+    such analysis yet, on the first ``test_fraction`` of the test set (each head is zeroed
+    in turn, and each time the test images are run again: 96 times for 16 heads in 6
+    blocks)."""
     for run in runs:
-        if (run.path / HEADS_FILE).is_file():
+        if (run.path / (HEADS_FILE if analysis == "heads" else ROLES_FILE)).is_file():
             continue
         # By name inside the run dir: the absolute path in metrics.json is stale once a
         # run dir has been moved or copied.
         name = Path(run.metrics.get("best_ckpt") or "last.ckpt").name
         ckpt = run.path / "checkpoints" / name
-        print(f"analysing the heads of {ckpt}", file=sys.stderr, flush=True)
+        print(f"analysis={analysis} of {ckpt}", file=sys.stderr, flush=True)
         subprocess.run(
             [
                 sys.executable,
                 str(ROOT / "eval.py"),
                 f"ckpt_path={ckpt}",
-                "analysis=heads",
+                f"analysis={analysis}",
                 f"trainer.limit_test_batches={test_fraction}",
-                f"hydra.run.dir={run.path / 'heads'}",
+                f"hydra.run.dir={run.path / analysis}",
             ],
             check=True,
             stdout=subprocess.DEVNULL,
@@ -85,10 +98,35 @@ def write_heads_report(rows, report: Path) -> None:
             HEADS_END,
         ]
     )
+    replace_section(report, section, HEADS_START, HEADS_END)
+
+
+def write_roles_report(rows, report: Path) -> None:
+    """Put, per token count, the accuracy table, then the per-layer role figures into
+    ``report`` between the roles markers (appended once)."""
+    by_tokens: dict[int, list] = {}
+    for row in rows:
+        by_tokens.setdefault(patch_tokens(row), []).append(row)
+    parts = [ROLES_START, ""]
+    for tokens, group in sorted(by_tokens.items()):
+        patch = group[0].first["model"]["patch_size"]
+        parts += [
+            f"Patch {patch}, {tokens} patch tokens:",
+            "",
+            heads_sweep_table(group).rstrip(),
+            "",
+        ]
+    parts += [roles_table(rows).rstrip(), "", ROLES_END]
+    replace_section(report, "\n".join(parts), ROLES_START, ROLES_END)
+
+
+def replace_section(report: Path, section: str, start: str, end: str) -> None:
+    """``section`` in place of the text between ``start`` and ``end`` in ``report``, or
+    appended when the markers are not there."""
     text = report.read_text() if report.exists() else ""
-    if HEADS_START in text and HEADS_END in text:
-        before, _, rest = text.partition(HEADS_START)
-        text = before + section + rest.partition(HEADS_END)[2]
+    if start in text and end in text:
+        before, _, rest = text.partition(start)
+        text = before + section + rest.partition(end)[2]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     atomic_write_bytes(report, text.encode())
@@ -110,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         help="share of the test set for --analyse-heads (default 0.2: the first 2 000 images)",
     )
     parser.add_argument("--heads-report", type=Path, help="Markdown file for the heads tables")
+    parser.add_argument(
+        "--analyse-roles", action="store_true", help="run eval.py analysis=roles on each run"
+    )
+    parser.add_argument("--roles-report", type=Path, help="Markdown file for the roles tables")
     args = parser.parse_args(argv)
     try:
         runs = find_runs(args.run_dirs)
@@ -138,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.heads_report:
         write_heads_report(rows, args.heads_report)
         print(f"wrote the heads sweep into {args.heads_report}", file=sys.stderr)
+    if args.analyse_roles:
+        analyse_heads(runs, 1.0, analysis="roles")
+    if args.roles_report:
+        write_roles_report(rows, args.roles_report)
+        print(f"wrote the head roles into {args.roles_report}", file=sys.stderr)
     return 0
 
 

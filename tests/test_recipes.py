@@ -309,6 +309,42 @@ def test_heads_report_summarises_every_head_and_replaces_its_own_section(tmp_pat
     assert (report.parent / "heads_sweep_heads.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_roles_report_gives_each_layers_spread_per_token_count(tmp_path):
+    """Two seeds of 2 heads at patch 4 and one of 1 head at patch 7: per token count the
+    accuracy table, then per layer the lowest and highest head's figures, meaned over
+    seeds (heads are not matched across seeds)."""
+    from scripts.results import ROLES_END, ROLES_START, write_roles_report
+
+    columns = "layer,head,ink_share,ink_area,end_share,end_area,curve_share,curve_area,"
+    columns += "centre_distance_px,centre_distance_uniform_px,mean_distance_px,acc_drop"
+    for job, (patch, heads, seed) in enumerate([(4, 2, 1), (4, 2, 2), (7, 1, 1)]):
+        run = tmp_path / "sweep" / str(job)
+        model = {"num_heads": heads, "embed_dim": 64, "patch_size": patch, "depth": 1}
+        fake_run(run, heads=heads, seed=seed, acc=0.98, extra=[f"model.patch_size={patch}"])
+        metrics = json.loads((run / "metrics.json").read_text())
+        (run / "metrics.json").write_text(json.dumps({**metrics, "model": model}))
+        (run / "roles").mkdir()
+        # Head h of seed s: ink share 0.2 * (h + s) of an area of 0.2, so ink lift h + s.
+        lines = [columns] + [
+            f"0,{h},{0.2 * (h + seed)},0.2,0.1,0.1,0.0,0.1,5.0,10.0,{4.0 + h},0.01"
+            for h in range(heads)
+        ]
+        (run / "roles" / "roles.csv").write_text("\n".join(lines) + "\n")
+    rows = group_rows(find_runs([tmp_path / "sweep"]))
+    report = tmp_path / "results.md"
+    write_roles_report(rows, report)
+    write_roles_report(rows, report)  # replaced, not appended
+    text = report.read_text()
+    assert text.count(ROLES_START) == 1 and text.count(ROLES_END) == 1
+    assert text.index("Patch 7, 16 patch tokens") < text.index("Patch 4, 49 patch tokens")
+    # 49 tokens: ink lifts 1, 2 (seed 1) and 2, 3 (seed 2) -> low 1.5, high 2.5.
+    assert (
+        "| 49 | 2 | 0 | 1.50-2.50 | 1.00-1.00 | 0.00-0.00 | 0.50-0.50 | 4.00-5.00 | 1.00-1.00 |"
+        in text
+    )
+    assert "| 16 | 1 | 0 | 1.00 | 1.00 | 0.00 | 0.50 | 4.00 | 1.00 |" in text
+
+
 def test_results_script_without_runs_is_one_line(tmp_path):
     from tests.test_cli import run
 

@@ -315,6 +315,88 @@ def heads_sweep_table(rows: Sequence[Row]) -> str:
     return out.getvalue()
 
 
+ROLES_FILE = "roles/roles.csv"  # eval.py analysis=roles, run in <run dir>/roles
+# roles.csv's (attention share, area share) pairs, as "<part> lift" columns: share / area.
+ROLE_LIFTS = {"ink": ("ink_share", "ink_area"), "ends": ("end_share", "end_area")}
+ROLE_LIFTS["curves"] = ("curve_share", "curve_area")
+
+
+def roles_of(run: Run) -> list[dict[str, Any]]:
+    """The per-head rows of ``eval.py analysis=roles`` for this run (``<run>/roles/``), the
+    numbers as floats; empty when the analysis has not been run."""
+    import csv
+
+    path = run.path / ROLES_FILE
+    if not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [{k: v if k == "most_hurt_class" else float(v) for k, v in r.items()} for r in rows]
+
+
+def patch_tokens(row: Row) -> int:
+    """The number of patch tokens of the row's model (the CLS token not counted)."""
+    model = row.first["model"]
+    return (int(model.get("img_size", 28)) // int(model["patch_size"])) ** 2
+
+
+def roles_table(rows: Sequence[Row]) -> str:
+    """One line per token count, head count and layer: the spread of the role figures over
+    that layer's heads (:mod:`vit_mnist.analysis.roles`), as ``low-high``: the mean over
+    seeds of the lowest and of the highest head's figure (heads are not matched across
+    seeds). Lifts are attention share / area share (1: no preference); centre is the
+    attended distance to the ink's centre of mass over a uniform map's (below 1: central).
+    Rows whose runs lack ``roles.csv`` are left out."""
+    header = [
+        "tokens",
+        "heads",
+        "layer",
+        "ink lift",
+        "stroke-end lift",
+        "curve lift",
+        "centre ratio",
+        "mean attention distance (px)",
+        "acc drop when zeroed (pp)",
+    ]
+    out = io.StringIO()
+    out.write("| " + " | ".join(header) + " |\n|" + " --- |" * len(header) + "\n")
+
+    def spread(per_run: list[list[float]]) -> str:
+        low = statistics.fmean(min(v) for v in per_run)
+        high = statistics.fmean(max(v) for v in per_run)
+        return f"{low:.2f}" if len(per_run[0]) == 1 else f"{low:.2f}-{high:.2f}"
+
+    def order(row: Row) -> tuple[int, int]:
+        return patch_tokens(row), int(row.first["model"]["num_heads"])
+
+    for row in sorted(rows, key=order):
+        per_run = [roles_of(r) for r in row.runs]
+        per_run = [heads for heads in per_run if heads]
+        if not per_run:
+            continue
+        for layer in range(int(row.first["model"]["depth"])):
+            layers = [[h for h in heads if h["layer"] == layer] for heads in per_run]
+            figures = {
+                name: [[h[share] / h[area] if h[area] > 0 else 0.0 for h in hs] for hs in layers]
+                for name, (share, area) in ROLE_LIFTS.items()
+            }
+            centre = [
+                [h["centre_distance_px"] / h["centre_distance_uniform_px"] for h in hs]
+                for hs in layers
+            ]
+            cells = [
+                str(patch_tokens(row)),
+                str(row.first["model"]["num_heads"]),
+                str(layer),
+                *(spread(figures[name]) for name in ROLE_LIFTS),
+                spread(centre),
+                spread([[h["mean_distance_px"] for h in hs] for hs in layers]),
+                spread([[100 * h["acc_drop"] for h in hs] for hs in layers]),
+            ]
+            out.write("| " + " | ".join(cells) + " |\n")
+    return out.getvalue()
+
+
 def heads_sweep_figure(rows: Sequence[Row], out: Path) -> Path:
     """Per-head entropy, mean attention distance and accuracy drop against the number of
     heads: one dot per head of every seed and layer, the median as a line (PNG)."""

@@ -242,7 +242,7 @@ def head_roles(
 
 def roles_figure(rows: Sequence[dict[str, Any]], class_names: Sequence[str], title: str):
     """Every head placed on the role axes: four panels, one point per head labelled
-    ``layer.head`` and coloured by layer.
+    ``layer:head`` and coloured by layer.
 
     1. ink: attention share on ink patches over their area share (1 = no preference),
        against the distance to the centre of ink mass over a uniform map's (below 1 =
@@ -292,7 +292,7 @@ def roles_figure(rows: Sequence[dict[str, Any]], class_names: Sequence[str], tit
         for r, x, y in zip(rows, xs, ys, strict=True):
             ax.scatter(x, y, color=colours[r["layer"]], s=28)
             ax.annotate(
-                f"{r['layer']}.{r['head']}",
+                f"{r['layer']}:{r['head']}",
                 (x, y),
                 fontsize=7,
                 xytext=(3, 2),
@@ -307,9 +307,9 @@ def roles_figure(rows: Sequence[dict[str, Any]], class_names: Sequence[str], tit
     ax = axes[1, 1]
     image = ax.imshow(drops, aspect="auto", cmap="Reds", vmin=min(0.0, float(drops.min())))
     ax.set_xticks(range(len(class_names)), class_names, fontsize=8)
-    ax.set_yticks(range(len(rows)), [f"{r['layer']}.{r['head']}" for r in rows], fontsize=6)
+    ax.set_yticks(range(len(rows)), [f"{r['layer']}:{r['head']}" for r in rows], fontsize=6)
     ax.set_xlabel("class", fontsize=9)
-    ax.set_ylabel("head (layer.head)", fontsize=9)
+    ax.set_ylabel("head (layer:head)", fontsize=9)
     fig.colorbar(image, ax=ax, label="accuracy drop when zeroed (points)")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
