@@ -16,9 +16,9 @@ the heads table, docs/heads_sweep.png (accuracy) and docs/heads_sweep_heads.png 
 into the given Markdown file, between the markers HEADS_START and HEADS_END.
 
 --analyse-roles runs `python eval.py analysis=roles` on each run's best checkpoint (into
-<run dir>/roles/, on the whole test set), and --roles-report writes, per token count, the
-accuracy table and, per layer, the spread of the heads' role figures into the given
-Markdown file, between ROLES_START and ROLES_END:
+<run dir>/roles/, on the same share of the test set), and --roles-report writes, per token
+count, the accuracy table and, per layer, the spread of the heads' role figures into the
+given Markdown file, between ROLES_START and ROLES_END:
 python scripts/results.py outputs/heads_sweep_p4 outputs/heads_sweep_p7 --analyse-roles \
     --roles-report docs/results.md
 """
@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         "--heads-test-fraction",
         type=float,
         default=0.2,
-        help="share of the test set for --analyse-heads (default 0.2: the first 2 000 images)",
+        help="share of the test set for --analyse-heads and --analyse-roles (default 0.2: "
+        "the first 2 000 images)",
     )
     parser.add_argument("--heads-report", type=Path, help="Markdown file for the heads tables")
     parser.add_argument(
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         write_heads_report(rows, args.heads_report)
         print(f"wrote the heads sweep into {args.heads_report}", file=sys.stderr)
     if args.analyse_roles:
-        analyse_heads(runs, 1.0, analysis="roles")
+        analyse_heads(runs, args.heads_test_fraction, analysis="roles")
     if args.roles_report:
         write_roles_report(rows, args.roles_report)
         print(f"wrote the head roles into {args.roles_report}", file=sys.stderr)
