@@ -153,7 +153,8 @@ def test_roles_analysis_on_the_validation_images(synthetic_ckpt, tmp_path):
         assert all(-1 <= d <= 1 for d in drops)
     assert metrics["head_roles"][0]["ink_share"] == pytest.approx(float(rows[0]["ink_share"]))
     assert metrics["num_val_images"] == 128
-    assert (tmp_path / "roles.png").is_file()
+    for name in ("roles.png", "roles_parts.png"):
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG"), name
     series, _ = read_events(tmp_path)
     assert "roles/ink_share/layer_1/head_1" in series
     assert "roles/acc_drop/layer_0/head_0" in series

@@ -34,7 +34,7 @@ from vit_mnist.analysis.per_class import (
     predict,
 )
 from vit_mnist.analysis.pruning import accuracy_at, prune_iteratively, pruning_figure
-from vit_mnist.analysis.roles import ROLE_COLUMNS, head_roles, roles_figure
+from vit_mnist.analysis.roles import ROLE_COLUMNS, head_roles, parts_figure, roles_figure
 from vit_mnist.checkpointing import (
     AtomicCheckpointIO,
     checkpoint_datamodule,
@@ -218,7 +218,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     elif cfg.get("analysis") == "roles":
         mean, std = getattr(datamodule, "mean", 0.0), getattr(datamodule, "std", 1.0)
         metrics["head_roles"] = analyse_roles(
-            quiet(), module, loader, images, images * std + mean, class_names, out, writer
+            quiet(), module, loader, images, images * std + mean, labels, class_names, out, writer
         )
     elif cfg.get("analysis") == "prune":
         metrics.update(
@@ -295,16 +295,19 @@ def analyse_roles(
     loader,
     images: torch.Tensor,
     pixels: torch.Tensor,
+    labels: torch.Tensor,
     class_names: list[str],
     out: Path,
     writer,
 ) -> list[dict[str, Any]]:
     """What each head does (:mod:`vit_mnist.analysis.roles`): ``roles.csv``,
-    ``roles.png`` and TensorBoard scalars ``roles/<figure>/layer_<l>/head_<h>``.
+    ``roles.png``, ``roles_parts.png`` (the stroke ends and curves found on the first 20
+    images) and TensorBoard (the two figures, scalars ``roles/<figure>/layer_<l>/head_<h>``).
 
     Args:
         images: the split's images as the model takes them (N, C, H, W), normalised.
         pixels: the same images in [0, 1], ink bright.
+        labels: their classes (N,) int64.
 
     Returns:
         The CSV's rows: ``layer``, ``head``, the role figures (``ROLE_COLUMNS``), and the
@@ -323,6 +326,14 @@ def analyse_roles(
                 writer.add_scalar(f"roles/{key}/{tag}", r[key])
         writer.add_figure("roles", figure, close=False)
     save_figure(figure, out / "roles.png")
+    parts = parts_figure(
+        pixels[:20],
+        [class_names[int(c)] for c in labels[:20]],
+        "skeleton (white), stroke ends (red circles), curves (blue squares)",
+    )
+    if writer is not None:
+        writer.add_figure("roles_parts", parts, close=False)
+    save_figure(parts, out / "roles_parts.png")
     print(
         f"{'layer':>5} {'head':>4} {'ink':>11} {'centre_px':>11} {'ends':>11} {'curves':>11} "
         f"{'dist_px':>7} {'entropy':>7} {'drop':>6}  most hurt"

@@ -314,3 +314,43 @@ def roles_figure(rows: Sequence[dict[str, Any]], class_names: Sequence[str], tit
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def parts_figure(pixels: torch.Tensor, labels: Sequence[str], title: str):
+    """What :func:`skeleton_points` finds on each image: the skeleton in white, stroke ends
+    as red circles, curves as blue squares, over the dimmed digit.
+
+    Args:
+        pixels: (N, H, W) or (N, 1, H, W) float in [0, 1], ink bright; N up to about 20.
+        labels: N texts shown above the images.
+
+    Returns:
+        A matplotlib figure.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pixels = pixels.reshape(pixels.shape[0], *pixels.shape[-2:]).float().cpu().numpy()
+    columns = min(10, len(pixels))
+    rows = -(-len(pixels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(1.5 * columns, 1.6 * rows + 0.4), dpi=100)
+    for ax in np.atleast_1d(axes).flat:
+        ax.axis("off")
+    for ax, image, label in zip(np.atleast_1d(axes).flat, pixels, labels, strict=False):
+        ink = image >= INK_THRESHOLD
+        ends, curves = skeleton_points(ink)
+        picture = np.stack([0.35 * image.clip(0, 1)] * 3, axis=-1)
+        picture[skeletonize(ink)] = 0.9
+        ax.imshow(picture)
+        for marks, style in (
+            (ends, dict(marker="o", mec="red")),
+            (curves, dict(marker="s", mec="deepskyblue")),
+        ):
+            r, c = np.nonzero(marks)
+            ax.plot(c, r, ls="none", ms=5, mfc="none", mew=1.5, **style)
+        ax.set_title(label, fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
