@@ -204,14 +204,18 @@ HEADER = [
 ]
 
 
+def _markdown(header: Sequence[str], lines: Iterable[Sequence[str]]) -> str:
+    """A Markdown table of ``header`` and one line per list of cells."""
+    out = io.StringIO()
+    out.write("| " + " | ".join(header) + " |\n|" + " --- |" * len(header) + "\n")
+    for cells in lines:
+        out.write("| " + " | ".join(cells) + " |\n")
+    return out.getvalue()
+
+
 def markdown_table(rows: Sequence[Row]) -> str:
     """A Markdown table, one line per row, in the order given."""
-    out = io.StringIO()
-    out.write("| " + " | ".join(HEADER) + " |\n")
-    out.write("|" + " --- |" * len(HEADER) + "\n")
-    for row in rows:
-        out.write("| " + " | ".join(row.markdown()) + " |\n")
-    return out.getvalue()
+    return _markdown(HEADER, (row.markdown() for row in rows))
 
 
 def heads_curve(rows: Sequence[Row]) -> list[tuple[int, float, float, int]]:
@@ -287,8 +291,7 @@ def heads_sweep_table(rows: Sequence[Row]) -> str:
         "mean attention distance, px: median (10th-90th pct.)",
         "acc drop when zeroed, pp: median (max)",
     ]
-    out = io.StringIO()
-    out.write("| " + " | ".join(header) + " |\n|" + " --- |" * len(header) + "\n")
+    lines = []
     for row in sorted(rows, key=lambda r: int(r.first["model"]["num_heads"])):
         model = row.first["model"]
         mean, std = row.test_acc
@@ -311,8 +314,8 @@ def heads_sweep_table(rows: Sequence[Row]) -> str:
             _percentiles([h["mean_distance_px"] for h in per_head]) if per_head else "-",
             f"{statistics.median(drops):.2f} ({max(drops):.2f})" if drops else "-",
         ]
-        out.write("| " + " | ".join(cells) + " |\n")
-    return out.getvalue()
+        lines.append(cells)
+    return _markdown(header, lines)
 
 
 ROLES_FILE = "roles/roles.csv"  # eval.py analysis=roles, run in <run dir>/roles
@@ -358,8 +361,7 @@ def roles_table(rows: Sequence[Row]) -> str:
         "mean attention distance (px)",
         "acc drop when zeroed (pp)",
     ]
-    out = io.StringIO()
-    out.write("| " + " | ".join(header) + " |\n|" + " --- |" * len(header) + "\n")
+    lines = []
 
     def spread(per_run: list[list[float]]) -> str:
         low = statistics.fmean(min(v) for v in per_run)
@@ -393,8 +395,8 @@ def roles_table(rows: Sequence[Row]) -> str:
                 spread([[h["mean_distance_px"] for h in hs] for hs in layers]),
                 spread([[100 * h["acc_drop"] for h in hs] for hs in layers]),
             ]
-            out.write("| " + " | ".join(cells) + " |\n")
-    return out.getvalue()
+            lines.append(cells)
+    return _markdown(header, lines)
 
 
 def heads_sweep_figure(rows: Sequence[Row], out: Path) -> Path:
