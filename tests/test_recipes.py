@@ -337,9 +337,10 @@ def test_roles_report_gives_each_layers_spread_per_token_count(tmp_path):
     text = report.read_text()
     assert text.count(ROLES_START) == 1 and text.count(ROLES_END) == 1
     assert text.index("Patch 7, 16 patch tokens") < text.index("Patch 4, 49 patch tokens")
-    # 49 tokens: ink lifts 1, 2 (seed 1) and 2, 3 (seed 2) -> low 1.5, high 2.5.
+    # 49 tokens: ink lifts 1, 2 (seed 1) and 2, 3 (seed 2) -> low 1.5, high 2.5; the
+    # stroke ends' lift is 1, over the ink lift 1, 1/2 and 1/2, 1/3 -> 0.42-0.75.
     assert (
-        "| 49 | 2 | 0 | 1.50-2.50 | 1.00-1.00 | 0.00-0.00 | 0.50-0.50 | 4.00-5.00 | 1.00-1.00 |"
+        "| 49 | 2 | 0 | 1.50-2.50 | 0.42-0.75 | 0.00-0.00 | 0.50-0.50 | 4.00-5.00 | 1.00-1.00 |"
         in text
     )
     assert "| 16 | 1 | 0 | 1.00 | 1.00 | 0.00 | 0.50 | 4.00 | 1.00 |" in text

@@ -319,9 +319,13 @@ def heads_sweep_table(rows: Sequence[Row]) -> str:
 
 
 ROLES_FILE = "roles/roles.csv"  # eval.py analysis=roles, run in <run dir>/roles
-# roles.csv's (attention share, area share) pairs, as "<part> lift" columns: share / area.
-ROLE_LIFTS = {"ink": ("ink_share", "ink_area"), "ends": ("end_share", "end_area")}
-ROLE_LIFTS["curves"] = ("curve_share", "curve_area")
+
+
+def _lift(head: dict[str, Any], part: str) -> float:
+    """A head's attention share on ``part`` (ink, end, curve) over that part's area share:
+    1 is no preference (0 where the part has no area)."""
+    area = head[f"{part}_area"]
+    return head[f"{part}_share"] / area if area > 0 else 0.0
 
 
 def roles_of(run: Run) -> list[dict[str, Any]]:
@@ -347,16 +351,18 @@ def roles_table(rows: Sequence[Row]) -> str:
     """One line per token count, head count and layer: the spread of the role figures over
     that layer's heads (:mod:`vit_mnist.analysis.roles`), as ``low-high``: the mean over
     seeds of the lowest and of the highest head's figure (heads are not matched across
-    seeds). Lifts are attention share / area share (1: no preference); centre is the
-    attended distance to the ink's centre of mass over a uniform map's (below 1: central).
-    Rows whose runs lack ``roles.csv`` are left out."""
+    seeds). The ink lift is the attention share on ink over its area share (1: no
+    preference); stroke ends and curves are their lift over the ink lift (above 1: the
+    head prefers that part to the rest of the ink); centre is the attended distance to the
+    ink's centre of mass over a uniform map's (below 1: central). Rows whose runs lack
+    ``roles.csv`` are left out."""
     header = [
         "tokens",
         "heads",
         "layer",
         "ink lift",
-        "stroke-end lift",
-        "curve lift",
+        "stroke ends / ink (lift ratio)",
+        "curves / ink (lift ratio)",
         "centre ratio",
         "mean attention distance (px)",
         "acc drop when zeroed (pp)",
@@ -378,9 +384,10 @@ def roles_table(rows: Sequence[Row]) -> str:
             continue
         for layer in range(int(row.first["model"]["depth"])):
             layers = [[h for h in heads if h["layer"] == layer] for heads in per_run]
-            figures = {
-                name: [[h[share] / h[area] if h[area] > 0 else 0.0 for h in hs] for hs in layers]
-                for name, (share, area) in ROLE_LIFTS.items()
+            ink = [[_lift(h, "ink") for h in hs] for hs in layers]
+            parts = {
+                part: [[_lift(h, part) / max(_lift(h, "ink"), 1e-9) for h in hs] for hs in layers]
+                for part in ("end", "curve")
             }
             centre = [
                 [h["centre_distance_px"] / h["centre_distance_uniform_px"] for h in hs]
@@ -390,7 +397,9 @@ def roles_table(rows: Sequence[Row]) -> str:
                 str(patch_tokens(row)),
                 str(row.first["model"]["num_heads"]),
                 str(layer),
-                *(spread(figures[name]) for name in ROLE_LIFTS),
+                spread(ink),
+                spread(parts["end"]),
+                spread(parts["curve"]),
                 spread(centre),
                 spread([[h["mean_distance_px"] for h in hs] for hs in layers]),
                 spread([[100 * h["acc_drop"] for h in hs] for hs in layers]),
