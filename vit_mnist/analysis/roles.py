@@ -247,7 +247,8 @@ def roles_figure(rows: Sequence[dict[str, Any]], class_names: Sequence[str], tit
     1. ink: attention share on ink patches over their area share (1 = no preference),
        against the distance to the centre of ink mass over a uniform map's (below 1 =
        looks at the centre);
-    2. stroke ends and curves: share over area for each (1 = no preference);
+    2. stroke ends and curves: each part's lift (share over area) over the ink lift (above
+       1 = prefers that part to the rest of the ink);
     3. mean attention distance (pixels) against entropy (nats): local and global heads;
     4. accuracy drop (points) per class when the head is zeroed (``acc_drop_<class>``).
 
@@ -262,6 +263,9 @@ def roles_figure(rows: Sequence[dict[str, Any]], class_names: Sequence[str], tit
     def ratio(r, share, area):
         return r[share] / r[area] if r[area] > 0 else float("nan")
 
+    def over_ink(r, part):
+        return ratio(r, f"{part}_share", f"{part}_area") / ratio(r, "ink_share", "ink_area")
+
     depth = 1 + max(r["layer"] for r in rows)
     colours = plt.get_cmap("viridis")(np.linspace(0, 0.9, depth))
     fig, axes = plt.subplots(2, 2, figsize=(11, 9.5), dpi=100)
@@ -275,10 +279,10 @@ def roles_figure(rows: Sequence[dict[str, Any]], class_names: Sequence[str], tit
         ),
         (
             axes[0, 1],
-            [ratio(r, "end_share", "end_area") for r in rows],
-            [ratio(r, "curve_share", "curve_area") for r in rows],
-            "stroke ends: attention share / area share",
-            "curves: attention share / area share",
+            [over_ink(r, "end") for r in rows],
+            [over_ink(r, "curve") for r in rows],
+            "stroke ends: lift / ink lift",
+            "curves: lift / ink lift",
         ),
         (
             axes[1, 0],
