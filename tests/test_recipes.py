@@ -316,7 +316,9 @@ def test_roles_report_gives_each_layers_spread_per_token_count(tmp_path):
     from scripts.results import ROLES_END, ROLES_START, write_roles_report
 
     columns = "layer,head,ink_share,ink_area,end_share,end_area,curve_share,curve_area,"
-    columns += "centre_distance_px,centre_distance_uniform_px,mean_distance_px,acc_drop"
+    columns += (
+        "centre_distance_px,centre_distance_uniform_px,mean_distance_px,acc_drop,entropy_nats"
+    )
     for job, (patch, heads, seed) in enumerate([(4, 2, 1), (4, 2, 2), (7, 1, 1)]):
         run = tmp_path / "sweep" / str(job)
         model = {"num_heads": heads, "embed_dim": 64, "patch_size": patch, "depth": 1}
@@ -326,7 +328,7 @@ def test_roles_report_gives_each_layers_spread_per_token_count(tmp_path):
         (run / "roles").mkdir()
         # Head h of seed s: ink share 0.2 * (h + s) of an area of 0.2, so ink lift h + s.
         lines = [columns] + [
-            f"0,{h},{0.2 * (h + seed)},0.2,0.1,0.1,0.0,0.1,5.0,10.0,{4.0 + h},0.01"
+            f"0,{h},{0.2 * (h + seed)},0.2,0.1,0.1,0.0,0.1,5.0,10.0,{4.0 + h},0.01,2.0"
             for h in range(heads)
         ]
         (run / "roles" / "roles.csv").write_text("\n".join(lines) + "\n")
@@ -344,6 +346,8 @@ def test_roles_report_gives_each_layers_spread_per_token_count(tmp_path):
         in text
     )
     assert "| 16 | 1 | 0 | 1.00 | 1.00 | 0.00 | 0.50 | 4.00 | 1.00 |" in text
+    # Without analysis=heads, the accuracy table's per-head columns come from roles.csv.
+    assert "| 2 | 32 | 2 | 98.00 +- 0.00 |" in text and "4.50 (4.00-5.00)" in text
 
 
 def test_results_script_without_runs_is_one_line(tmp_path):

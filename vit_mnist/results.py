@@ -253,6 +253,7 @@ def heads_plot(rows: Sequence[Row], out: Path, title: str) -> Path:
 
 
 HEADS_FILE = "heads/head_importance.csv"  # eval.py analysis=heads, run in <run dir>/heads
+ROLES_FILE = "roles/roles.csv"  # eval.py analysis=roles, run in <run dir>/roles
 
 
 def _percentiles(values: Sequence[float]) -> str:
@@ -263,17 +264,21 @@ def _percentiles(values: Sequence[float]) -> str:
 
 
 def heads_of(run: Run) -> list[dict[str, float]]:
-    """The per-head rows of ``eval.py analysis=heads`` for this run (``<run>/heads/``):
-    ``layer``, ``head``, ``acc_drop`` (fraction), ``loss_increase``, ``entropy_nats``,
-    ``mean_distance_px``; empty when the analysis has not been run."""
+    """The per-head rows of ``eval.py analysis=heads`` for this run (``<run>/heads/``), or
+    where only ``analysis=roles`` ran (``<run>/roles/``) its rows, which hold the same
+    ``acc_drop``, ``entropy_nats`` and ``mean_distance_px``: ``layer``, ``head`` and the
+    figures as floats; empty when neither analysis has been run."""
     import csv
 
-    path = run.path / HEADS_FILE
-    if not path.is_file():
+    path = next((run.path / f for f in (HEADS_FILE, ROLES_FILE) if (run.path / f).is_file()), None)
+    if path is None:
         return []
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
-    return [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in rows]
+    return [
+        {k: float(v) for k, v in r.items() if v not in ("", None) and k != "most_hurt_class"}
+        for r in rows
+    ]
 
 
 def heads_sweep_table(rows: Sequence[Row]) -> str:
@@ -316,9 +321,6 @@ def heads_sweep_table(rows: Sequence[Row]) -> str:
         ]
         lines.append(cells)
     return _markdown(header, lines)
-
-
-ROLES_FILE = "roles/roles.csv"  # eval.py analysis=roles, run in <run dir>/roles
 
 
 def _lift(head: dict[str, Any], part: str) -> float:
