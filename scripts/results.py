@@ -34,6 +34,7 @@ from vit_mnist.io import atomic_write_bytes
 from vit_mnist.results import (
     HEADS_FILE,
     ROLES_FILE,
+    Row,
     find_failed,
     find_runs,
     group_rows,
@@ -103,10 +104,17 @@ def write_heads_report(rows, report: Path) -> None:
 
 def write_roles_report(rows, report: Path) -> None:
     """Put, per token count, the accuracy table, then the per-layer role figures into
-    ``report`` between the roles markers (appended once)."""
-    by_tokens: dict[int, list] = {}
+    ``report`` between the roles markers (appended once). Rows of one model shape that
+    ran with other thread counts (other ``device`` lines) are one row here: the report
+    compares shapes, not machines."""
+    shapes: dict[tuple, Row] = {}
     for row in rows:
+        key = (row.runs[0].command(), row.first.get("dataset"))
+        shapes.setdefault(key, Row()).runs.extend(row.runs)
+    by_tokens: dict[int, list] = {}
+    for row in shapes.values():
         by_tokens.setdefault(patch_tokens(row), []).append(row)
+    rows = list(shapes.values())
     parts = [ROLES_START, ""]
     for tokens, group in sorted(by_tokens.items()):
         patch = group[0].first["model"]["patch_size"]
