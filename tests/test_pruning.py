@@ -138,6 +138,11 @@ def test_eval_prunes_and_the_pruned_checkpoint_evaluates_alike(tmp_path, make_tr
     cfg = compose_config("eval", [f"ckpt_path={pruned_ckpt}", *common], tmp_path / "p")
     again = evaluate(cfg)
     assert again["test/acc"] == pytest.approx(float(rows[-1]["test_acc"]), abs=1e-6)
+    # The head roles of the pruned model: its one remaining head per block.
+    overrides = [f"ckpt_path={pruned_ckpt}", "analysis=roles", *common]
+    evaluate(compose_config("eval", overrides, tmp_path / "r"))
+    roles = list(csv.DictReader((tmp_path / "r" / "roles.csv").open()))
+    assert [(r["layer"], r["head"]) for r in roles] == [("0", "0"), ("1", "0")]
     loaded = ViTClassifier.load_from_checkpoint(pruned_ckpt, weights_only=True)
     assert _params(loaded.net) == metrics["pruning/params_pruned"]
     # Fine-tuning: train.py init_from= starts a new run from the pruned model's arguments and

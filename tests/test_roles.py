@@ -93,5 +93,13 @@ def test_shares_of_a_head_on_the_ink_and_of_a_uniform_head():
         assert r["centre_distance_px"] == pytest.approx(r["centre_distance_uniform_px"])
         assert r["end_share"] == pytest.approx(r["end_area"])
         assert r["entropy_nats"] == pytest.approx(np.log(17), rel=1e-5)
+    # All attention on the patch that holds the ink's centre of mass: distance 0 there.
+    centred = torch.zeros(3, 1, 28, 28)
+    centred[:, 0, 14:21, 21:28] = 1.0  # ink fills patch (2, 3): token 1 + 11
+    on_centre = torch.zeros(17)
+    on_centre[1 + 11] = 1.0
+    for r in head_roles(_model_with_cls_attention(on_centre), images, centred):
+        assert r["centre_distance_px"] == pytest.approx(0.0, abs=1e-5)
+        assert r["ink_share"] == pytest.approx(1.0) and r["ink_area"] == pytest.approx(1 / 16)
     with pytest.raises(ValueError, match="same N"):
         head_roles(_model_with_cls_attention(on_ink), images, pixels[:2])
