@@ -7,6 +7,7 @@ deviation over the seeds, never the best seed.
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import re
@@ -263,22 +264,26 @@ def _percentiles(values: Sequence[float]) -> str:
     return f"{median:.2f} ({q[0]:.2f}-{q[-1]:.2f})" if q else f"{median:.2f}"
 
 
-def heads_of(run: Run) -> list[dict[str, float]]:
-    """The per-head rows of ``eval.py analysis=heads`` for this run (``<run>/heads/``), or
-    where only ``analysis=roles`` ran (``<run>/roles/``) its rows, which hold the same
-    ``acc_drop``, ``entropy_nats`` and ``mean_distance_px``: ``layer``, ``head`` and the
-    figures as floats; empty when neither analysis has been run."""
-    import csv
-
-    path = next((run.path / f for f in (HEADS_FILE, ROLES_FILE) if (run.path / f).is_file()), None)
-    if path is None:
+def _head_rows(run: Run, name: str) -> list[dict[str, Any]]:
+    """The rows of the per-head CSV ``name`` in ``run``'s dir, numbers as floats and
+    ``most_hurt_class`` as text (empty cells left out); empty when the file is not there."""
+    path = run.path / name
+    if not path.is_file():
         return []
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
     return [
-        {k: float(v) for k, v in r.items() if v not in ("", None) and k != "most_hurt_class"}
+        {k: v if k == "most_hurt_class" else float(v) for k, v in r.items() if v not in ("", None)}
         for r in rows
     ]
+
+
+def heads_of(run: Run) -> list[dict[str, Any]]:
+    """The per-head rows of ``eval.py analysis=heads`` for this run (``<run>/heads/``), or
+    where only ``analysis=roles`` ran (``<run>/roles/``) its rows, which hold the same
+    ``acc_drop``, ``entropy_nats`` and ``mean_distance_px``; empty when neither analysis
+    has been run."""
+    return _head_rows(run, HEADS_FILE) or _head_rows(run, ROLES_FILE)
 
 
 def heads_sweep_table(rows: Sequence[Row]) -> str:
@@ -331,16 +336,9 @@ def _lift(head: dict[str, Any], part: str) -> float:
 
 
 def roles_of(run: Run) -> list[dict[str, Any]]:
-    """The per-head rows of ``eval.py analysis=roles`` for this run (``<run>/roles/``), the
-    numbers as floats; empty when the analysis has not been run."""
-    import csv
-
-    path = run.path / ROLES_FILE
-    if not path.is_file():
-        return []
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    return [{k: v if k == "most_hurt_class" else float(v) for k, v in r.items()} for r in rows]
+    """The per-head rows of ``eval.py analysis=roles`` for this run (``<run>/roles/``);
+    empty when the analysis has not been run."""
+    return _head_rows(run, ROLES_FILE)
 
 
 def patch_tokens(row: Row) -> int:

@@ -4,9 +4,9 @@ Really Better than One?", eq. 1 and 2), and its picture."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning as L
 import torch
@@ -15,6 +15,8 @@ from torch.utils.data import DataLoader
 
 from vit_mnist.analysis.per_class import accuracy_and_loss, predict
 from vit_mnist.models.vit import VisionTransformer
+
+T = TypeVar("T")
 
 
 @contextmanager
@@ -155,6 +157,18 @@ def gradient_head_importance(
     return (total / count).float().cpu()
 
 
+def each_head_zeroed(
+    model: VisionTransformer, score: Callable[[], T]
+) -> Iterator[tuple[int, int, T]]:
+    """``(layer, head, score())`` with each head of ``model`` zeroed in turn
+    (:func:`heads_zeroed`), layer by layer; the head is back on when a tuple is yielded."""
+    for layer, block in enumerate(model.blocks):
+        for head in range(block.attn.num_heads):
+            with heads_zeroed(model, layer, [head]):
+                result = score()
+            yield layer, head, result
+
+
 def head_importance(
     trainer: L.Trainer, module: L.LightningModule, loader: DataLoader
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
@@ -171,21 +185,17 @@ def head_importance(
         return accuracy_and_loss(trainer, module, loader)
 
     base_acc, base_loss = score()
-    rows = []
-    for layer in range(model.depth):
-        for head in range(model.blocks[layer].attn.num_heads):
-            with heads_zeroed(model, layer, [head]):
-                acc, loss = score()
-            rows.append(
-                {
-                    "layer": layer,
-                    "head": head,
-                    "acc": round(acc, 6),
-                    "loss": round(loss, 6),
-                    "acc_drop": round(base_acc - acc, 6),
-                    "loss_increase": round(loss - base_loss, 6),
-                }
-            )
+    rows = [
+        {
+            "layer": layer,
+            "head": head,
+            "acc": round(acc, 6),
+            "loss": round(loss, 6),
+            "acc_drop": round(base_acc - acc, 6),
+            "loss_increase": round(loss - base_loss, 6),
+        }
+        for layer, head, (acc, loss) in each_head_zeroed(model, score)
+    ]
     return {"acc": base_acc, "loss": base_loss}, rows
 
 
@@ -216,16 +226,13 @@ def class_head_importance(
 
     base, base_per_class = accuracies()
     rows = []
-    for layer in range(model.depth):
-        for head in range(model.blocks[layer].attn.num_heads):
-            with heads_zeroed(model, layer, [head]):
-                acc, per_class = accuracies()
-            drops = base_per_class - per_class
-            row = {"layer": layer, "head": head, "acc_drop": round(base - acc, 6)}
-            for name, drop in zip(class_names, drops.tolist(), strict=True):
-                row[f"acc_drop_{name}"] = round(drop, 6)
-            row["most_hurt_class"] = class_names[int(drops.argmax())]
-            rows.append(row)
+    for layer, head, (acc, per_class) in each_head_zeroed(model, accuracies):
+        drops = base_per_class - per_class
+        row = {"layer": layer, "head": head, "acc_drop": round(base - acc, 6)}
+        for name, drop in zip(class_names, drops.tolist(), strict=True):
+            row[f"acc_drop_{name}"] = round(drop, 6)
+        row["most_hurt_class"] = class_names[int(drops.argmax())]
+        rows.append(row)
     return rows
 
 
