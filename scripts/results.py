@@ -44,6 +44,7 @@ from vit_mnist.results import (
     markdown_table,
     patch_tokens,
     roles_table,
+    runs_table,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,6 +125,7 @@ def write_roles_report(rows, report: Path) -> None:
             heads_sweep_table(group).rstrip(),
             "",
         ]
+    parts += ["Each run:", "", runs_table(rows).rstrip(), ""]
     parts += [roles_table(rows).rstrip(), "", ROLES_END]
     replace_section(report, "\n".join(parts), ROLES_START, ROLES_END)
 

@@ -346,6 +346,8 @@ def test_roles_report_gives_each_layers_spread_per_token_count(tmp_path):
         in text
     )
     assert "| 16 | 1 | 0 | 1.00 | 1.00 | 0.00 | 0.50 | 4.00 | 1.00 |" in text
+    # Each run on a line of its own, with where it ran and its fitting time.
+    assert "| 4 | 2 | 2 | cpu (test) | 32-true, - | 102 | 98.00 | `1` |" in text
     # Without analysis=heads, the accuracy table's per-head columns come from roles.csv.
     assert "| 2 | 32 | 2 | 98.00 +- 0.00 |" in text and "4.50 (4.00-5.00)" in text
 

@@ -328,6 +328,36 @@ def heads_sweep_table(rows: Sequence[Row]) -> str:
     return _markdown(header, lines)
 
 
+def runs_table(rows: Sequence[Row]) -> str:
+    """One line per run, by patch size, head count and seed: where it ran (``metrics.json``'s
+    device line, with the CPU and its class), its precision and speed path, its fitting
+    time (s), its test accuracy (%) and its run directory's name."""
+    header = ["patch", "heads", "seed", "device", "precision, path", "fitting time (s)"]
+    header += ["test acc %", "run"]
+
+    def order(run: Run) -> tuple[int, int, int]:
+        model = run.metrics["model"]
+        return int(model.get("patch_size", 0)), int(model["num_heads"]), run.seed
+
+    lines = []
+    for run in sorted((run for row in rows for run in row.runs), key=order):
+        m = run.metrics
+        fit = m.get("fit_time_s") or m.get("train_time_s")
+        lines.append(
+            [
+                str(m["model"].get("patch_size", "-")),
+                str(m["model"]["num_heads"]),
+                str(run.seed),
+                run.device(),
+                f"{m.get('precision')}, {m.get('speed_path', '-')}",
+                _seconds(float(fit)) if fit else "-",
+                f"{100 * float(m['test/acc']):.2f}",
+                f"`{run.path.name}`",
+            ]
+        )
+    return _markdown(header, lines)
+
+
 def _lift(head: dict[str, Any], part: str) -> float:
     """A head's attention share on ``part`` (ink, end, curve) over that part's area share:
     1 is no preference (0 where the part has no area)."""
