@@ -236,11 +236,18 @@ def prepare_ddp_launch(trainer_cfg: DictConfig) -> None:
 
 @_command_line
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="train")
-def train(cfg: DictConfig) -> dict[str, Any]:
-    """``vit-mnist-train [overrides]`` = ``python train.py [overrides]``."""
+def train(cfg: DictConfig) -> dict[str, Any] | float:
+    """``vit-mnist-train [overrides]`` = ``python train.py [overrides]``. Returns the run's
+    metrics, or with ``optimized_metric`` set (a hyper-parameter search) that one value."""
     task = _start("train")
     prepare_ddp_launch(cfg.trainer)
-    return task.main(cfg)
+    metrics = task.main(cfg)
+    name = cfg.get("optimized_metric")
+    if not name:
+        return metrics
+    # The one number a sweeper optimises (configs/hparams_search/). A job stopped by a user
+    # error returns None (the sweep goes on): NaN, which Optuna records as a failed trial.
+    return float("nan") if metrics is None else float(metrics[name])
 
 
 @_command_line

@@ -36,6 +36,9 @@ from vit_mnist.errors import ConfigError
 
 PRECISIONS = ["32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true"]
 ACCELERATORS = ["auto", "cpu", "gpu", "cuda", "mps"]
+# What a hyper-parameter search (configs/hparams_search/) may optimise: validation figures
+# only, so that the test set stays unseen until a recipe is chosen.
+SEARCH_METRICS = ["val/acc_best", "val/acc", "val/loss"]
 
 
 def _setting(
@@ -275,6 +278,9 @@ class TrainSettings:
     test: bool = _setting()
     ckpt_path: str | None = _setting()
     init_from: str | None = _setting()
+    optimized_metric: str | None = _setting(
+        choices=[None, *SEARCH_METRICS], example="optimized_metric=val/acc_best"
+    )
     speed: SpeedSettings = field(default_factory=SpeedSettings)
     model: ModelSettings = field(default_factory=ModelSettings)
     module: ModuleSettings = field(default_factory=ModuleSettings)

@@ -196,6 +196,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     test_metrics: dict[str, Any] = {}
     best_ckpt = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+    for lg in trainer.loggers:  # where the run's best weights are, beside its scalars
+        lg.log_hyperparams({"best_ckpt": best_ckpt or "none"})
     if cfg.get("test"):
         # The best checkpoint by val/acc; the current weights when no checkpoint was kept.
         trainer.test(module, datamodule=datamodule, ckpt_path=best_ckpt or None)
