@@ -146,7 +146,7 @@ def test_train_cli_with_user_overrides_then_eval(tmp_path):
         "trainer.max_epochs=1",
         "data.batch_size=256",
         "seed=7",
-        "speed.path=reference",  # auto's timing of the paths has tests of its own
+        "speed.path=handwritten",  # auto's timing of the paths has tests of its own
         "trainer.precision=32-true",
         f"hydra.run.dir={run_dir}",
     )
@@ -201,7 +201,7 @@ def test_console_script_trains_like_train_py_and_prints_each_line_once(tmp_path)
         [script, "data=synthetic", "trainer=cpu", "trainer.max_epochs=1", *TINY_MODEL]
         + ["trainer.limit_train_batches=3"]  # shorter than log_every_n_steps (50)
         + ["callbacks.progress_bar=null", f"hydra.run.dir={run_dir}"]
-        + ["speed.path=reference", "trainer.precision=32-true"],
+        + ["speed.path=handwritten", "trainer.precision=32-true"],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -233,7 +233,9 @@ def test_console_script_trains_like_train_py_and_prints_each_line_once(tmp_path)
     assert not warnings, warnings
     repeated = {line for line in logged if logged.count(line) > 1}
     assert not repeated, repeated
-    speed = [line for line in lines if line.startswith("speed path: reference, precision 32-true")]
+    speed = [
+        line for line in lines if line.startswith("speed path: handwritten, precision 32-true")
+    ]
     assert len(speed) == 1
     # An epoch shorter than the logging interval still logs train/loss (every step).
     events = EventAccumulator(str(run_dir / "tensorboard"))
@@ -264,7 +266,7 @@ def test_multirun_writes_under_outputs_and_survives_a_bad_job(tmp_path, capsys):
         "trainer=cpu",
         "trainer.max_epochs=1",
         "~callbacks.progress_bar",
-        "speed.path=reference",
+        "speed.path=handwritten",
         "trainer.precision=32-true",
         *[o for o in TINY_MODEL if not o.startswith("model.num_heads")],
         cwd=tmp_path,

@@ -108,7 +108,7 @@ def test_launcher_writes_one_run_dir_per_job(tmp_path, launcher, plugin):
         "trainer=cpu",
         "trainer.max_epochs=1",
         # A fixed path: auto's timing (seconds per job) has tests of its own.
-        "speed.path=reference",
+        "speed.path=handwritten",
         "trainer.precision=32-true",
         f"hydra.sweep.dir={sweep_dir}",
     )

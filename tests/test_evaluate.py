@@ -64,7 +64,7 @@ def synthetic_ckpt(tmp_path_factory):
     out = tmp_path_factory.mktemp("synthetic_run")
     overrides = ["data=synthetic", "trainer=cpu", "trainer.max_epochs=1", *TINY_MODEL]
     # A fixed path and precision: timing them (speed.path=auto) has tests of its own.
-    overrides += ["speed.path=reference", "trainer.precision=32-true"]
+    overrides += ["speed.path=handwritten", "trainer.precision=32-true"]
     metrics = train(compose_config("train", overrides, out))
     return Path(metrics["best_ckpt"]), metrics
 
@@ -255,7 +255,7 @@ def test_real_mnist_eval_and_prediction_on_saved_images(mnist_dir, tmp_path):
         # 170 of an epoch's 215 batches: test accuracy about 0.92, past the 0.9 asked below.
         + ["trainer.limit_train_batches=170"]
         + ["module.lr=4e-3", "module.warmup_epochs=0.5", "data.augment=null"]
-        + ["speed.path=reference", "trainer.precision=32-true"],  # not timed: see test_speed
+        + ["speed.path=handwritten", "trainer.precision=32-true"],  # not timed: see test_speed
         tmp_path / "train",
     )
     metrics = train(cfg)

@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "vit_mnist.speed.choose",
             "vit_mnist.speed.paths",
             "vit_mnist.speed.forward",
+            "vit_mnist.speed.native_forward",
             "vit_mnist.speed.native",
         ],
     ),

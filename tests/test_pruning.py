@@ -21,7 +21,6 @@ from vit_mnist.models.attention import MultiHeadSelfAttention
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.module import ViTClassifier
 from vit_mnist.speed.choose import candidates
-from vit_mnist.speed.forward import vit_forward
 from vit_mnist.speed.paths import PATHS
 from vit_mnist.train import train
 
@@ -93,11 +92,12 @@ def test_speed_paths_run_a_pruned_model_or_say_why_not():
     pruned, _ = prune_heads(_model(), ARGS, [(0, 1), (1, 0), (1, 2)])
     x = torch.randn(3, 1, 28, 28)
     params = list(pruned.parameters())
-    # The explicit forward that the compile path compiles: values and every gradient.
-    fast = vit_forward(pruned, x)
-    assert_same_values_and_gradients(fast, pruned(x), params, atol=1e-5, rtol=1e-4)
-    assert "pruned heads" in PATHS["native"].unsupported(pruned)
-    assert PATHS["native"].unsupported(_model()) is None
+    for name in ("fused", "handwritten"):  # values and every parameter's gradient
+        fast = PATHS[name].build(pruned)(x)
+        assert_same_values_and_gradients(fast, pruned(x), params, atol=1e-5, rtol=1e-4)
+    for name in ("native", "compile_native"):
+        assert "pruned heads" in PATHS[name].unsupported(pruned)
+        assert PATHS[name].unsupported(_model()) is None
     pairs, skipped = candidates(CPU, "auto", "32-true", True, pruned)
     assert "native" in skipped and ("reference", "32-true") in pairs
     with pytest.raises(ConfigError, match="pruned heads"):

@@ -13,18 +13,20 @@ import time
 import pytest
 import torch
 
-from tests.helpers import assert_same_values_and_gradients
+from tests.helpers import assert_same_values_and_gradients, count_applies
 from vit_mnist.errors import ConfigError
 from vit_mnist.models.attention import MultiHeadSelfAttention
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.speed import choose as choose_mod
 from vit_mnist.speed.choose import Choice, candidates, choose, prepare_speed
 from vit_mnist.speed.forward import (
+    ExplicitAttention,
     attention_forward,
     block_forward,
     embed_forward,
     explicit_core,
-    native_core,
+    handwritten_backward_core,
+    sdpa_core,
 )
 from vit_mnist.speed.paths import PATHS
 
@@ -173,7 +175,7 @@ def test_block_keeps_the_reference_residual_stream(bf16):
     x = torch.randn(2, 17, TINY["embed_dim"])
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         ref = net.blocks[0](x)
-        for core in (explicit_core, native_core):
+        for core in (explicit_core, handwritten_backward_core, sdpa_core):
             out = block_forward(net.blocks[0], x, core)
             assert out.dtype == ref.dtype == torch.float32
             torch.testing.assert_close(out, ref, atol=2e-2 if bf16 else 1e-5, rtol=1e-4)
@@ -187,10 +189,10 @@ def test_forced_path_is_not_timed(monkeypatch):
         model_args=TINY,
         device=CPU,
         batch_size=8,
-        path="reference",
+        path="fused",
         precision="32-true",
     )
-    assert (choice.path, choice.precision, choice.how) == ("reference", "32-true", "forced")
+    assert (choice.path, choice.precision, choice.how) == ("fused", "32-true", "forced")
 
 
 def test_unknown_and_unavailable_paths_are_refused(monkeypatch):
@@ -205,20 +207,19 @@ def test_auto_leaves_out_what_cannot_run_or_compiles(monkeypatch):
     monkeypatch.setattr("vit_mnist.speed.native.isa_class", lambda: "ARM")
     monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: False)
     pairs, skipped = candidates(CPU, "auto", "auto", include_compiled=False)
-    assert pairs == [("reference", "32-true")]
+    assert pairs == [(n, "32-true") for n in ("reference", "fused", "handwritten")]
     assert skipped["native"].startswith("needs AVX2 or AVX-512")
     assert "speed.compile=true" in skipped["compile"]
     monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: True)
-    pairs, _ = candidates(CPU, "reference", "auto", include_compiled=False)
-    assert pairs == [("reference", "32-true"), ("reference", "bf16-mixed")]
+    pairs, _ = candidates(CPU, "handwritten", "auto", include_compiled=False)
+    assert pairs == [("handwritten", "32-true"), ("handwritten", "bf16-mixed")]
 
 
 def test_auto_measures_picks_the_fastest_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
-    # Both precisions of the reference path, so that there is a choice to make. Real timing,
-    # one round of one step: the rounds have tests of their own. No native path: its
-    # kernels would be built afresh into this test's cache folder.
-    monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: True)
+    monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: False)
+    # Real timing, one round of one step: the rounds have tests of their own. No native
+    # paths: their kernels would be built afresh into this test's cache folder.
     monkeypatch.setattr("vit_mnist.speed.native.isa_class", lambda: "ARM")
     real = choose_mod.time_candidates
     monkeypatch.setattr(
@@ -232,7 +233,7 @@ def test_auto_measures_picks_the_fastest_and_caches(tmp_path, monkeypatch):
     first = choose(net, **args)
     assert first.how == "measured"
     assert first.images_per_s[f"{first.path} {first.precision}"] == max(first.images_per_s.values())
-    assert set(first.images_per_s) == {"reference 32-true", "reference bf16-mixed"}
+    assert set(first.images_per_s) >= {"reference 32-true", "fused 32-true"}
     # The timing ran on a copy and put the random-number state back.
     assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
     assert torch.equal(torch.get_rng_state(), rng)
@@ -262,7 +263,7 @@ def test_isa_class_follows_aten_cpu_capability():
 
 @pytest.mark.parametrize("qkv_bias", [True, False])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("core", [explicit_core, native_core])
+@pytest.mark.parametrize("core", [explicit_core, sdpa_core, handwritten_backward_core])
 def test_cls_only_attention_is_the_first_row_of_the_reference(core, causal, qkv_bias):
     torch.manual_seed(0)
     attn = MultiHeadSelfAttention(embed_dim=24, num_heads=3, causal=causal, qkv_bias=qkv_bias)
@@ -273,6 +274,59 @@ def test_cls_only_attention_is_the_first_row_of_the_reference(core, causal, qkv_
     if causal:  # the CLS token then sees only itself: the other tokens cannot move it
         (grad_x,) = torch.autograd.grad(attention_forward(attn, x, core, True).sum(), [x])
         assert grad_x[:, 1:].abs().max() == 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("t_q", [1, 7])
+def test_handwritten_backward_passes_gradcheck(t_q, causal):
+    """The written-out backward against finite differences, on the inputs the module
+    passes: the packed projection (B, T, 3*h*d_k), or for a single CLS query the queries
+    (B, 1, h*d_k) and the keys and values (B, T, 2*h*d_k)."""
+    g = torch.Generator().manual_seed(0)
+    heads, head_dim, tokens = 3, 4, 7
+
+    def rand(*shape):
+        return torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
+
+    width = heads * head_dim
+    if t_q == tokens:
+        inputs = (rand(2, tokens, 3 * width), None)
+    else:
+        inputs = (rand(2, t_q, width), rand(2, tokens, 2 * width))
+    assert torch.autograd.gradcheck(
+        lambda q_src, kv_src: ExplicitAttention.apply(q_src, kv_src, heads, 0.5, causal), inputs
+    )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_handwritten_core_runs_only_where_a_backward_follows(causal, monkeypatch):
+    calls = count_applies(monkeypatch, ExplicitAttention)
+    torch.manual_seed(0)
+    attn = MultiHeadSelfAttention(embed_dim=32, num_heads=4, causal=causal)
+    x = torch.randn(3, 50, 32, requires_grad=True)
+    fast = attention_forward(attn, x, handwritten_backward_core)
+    assert calls == [1]
+    with torch.no_grad():
+        attention_forward(attn, x, handwritten_backward_core)  # no backward: step by step
+    assert calls == [1]
+    slow, _ = attn(x, need_weights=True)  # autograd through every textbook step
+    params = [x, attn.qkv.weight, attn.qkv.bias, attn.proj.weight]
+    assert_same_values_and_gradients(fast, slow, params, atol=1e-5, rtol=1e-5)
+
+
+def test_handwritten_core_under_bf16_autocast_matches_float32():
+    torch.manual_seed(0)
+    attn = MultiHeadSelfAttention(embed_dim=64, num_heads=4)
+    x = torch.randn(4, 50, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attention_forward(attn, x, handwritten_backward_core)
+    assert out.dtype == torch.bfloat16
+    (grad_bf16,) = torch.autograd.grad(out.float().square().sum(), [attn.qkv.weight])
+    ref = attn(x)
+    (grad_ref,) = torch.autograd.grad(ref.square().sum(), [attn.qkv.weight])
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    # bf16 keeps 8 significant bits: the weight gradient within a few percent of its scale.
+    assert (grad_bf16 - grad_ref).abs().max() < 0.03 * grad_ref.abs().max()
 
 
 def test_a_damaged_cache_is_measured_again(tmp_path, monkeypatch):
@@ -298,13 +352,20 @@ def test_a_damaged_cache_is_measured_again(tmp_path, monkeypatch):
 
 def test_compile_settings_apply_inside_and_restore_after():
     import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
 
     from vit_mnist.speed.paths import compile_settings
 
-    before = dynamo_config.specialize_float
+    keys = [
+        (dynamo_config, "specialize_float"),
+        (functorch_config, "autograd_cache_allow_custom_autograd_functions"),
+    ]
+    keys = [(config, key) for config, key in keys if hasattr(config, key)]
+    assert keys
+    before = [getattr(config, key) for config, key in keys]
     with compile_settings():
-        assert dynamo_config.specialize_float is True
-    assert dynamo_config.specialize_float == before
+        assert all(getattr(config, key) is True for config, key in keys)
+    assert [getattr(config, key) for config, key in keys] == before
 
 
 def _fake_timing(speeds: dict[str, float], calls: list):
@@ -321,7 +382,9 @@ def test_compiled_paths_are_timed_only_with_speed_compile(tmp_path, monkeypatch)
     monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
     monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: True)
     monkeypatch.setattr("vit_mnist.speed.native.isa_class", lambda: "ARM")  # no native
-    speeds = {"reference 32-true": 1100.0, "reference bf16-mixed": 2200.0}
+    eager = {"reference": 900.0, "fused": 1000.0, "handwritten": 1100.0}
+    speeds = {f"{p} 32-true": v for p, v in eager.items()}
+    speeds |= {f"{p} bf16-mixed": 2 * v for p, v in eager.items()}
     speeds |= {"compile 32-true": 9000.0, "compile bf16-mixed": 3000.0}
     calls: list = []
     monkeypatch.setattr(choose_mod, "time_candidates", _fake_timing(speeds, calls))
@@ -329,7 +392,7 @@ def test_compiled_paths_are_timed_only_with_speed_compile(tmp_path, monkeypatch)
     args = dict(model_args=TINY, device=CPU, batch_size=100)
     # speed.compile=false (the default): the eager paths only, and the reason logged.
     plain = choose(net, **args)
-    assert (plain.path, plain.precision) == ("reference", "bf16-mixed")
+    assert (plain.path, plain.precision) == ("handwritten", "bf16-mixed")
     assert len(calls) == 1 and not any(c.startswith("compile") for c in calls[0])
     assert "speed.compile=true" in plain.skipped["compile"]
     assert "not timed: compile (compiles first" in plain.describe(CPU)
@@ -338,7 +401,7 @@ def test_compiled_paths_are_timed_only_with_speed_compile(tmp_path, monkeypatch)
     # the eager winner, interleaved in one timing.
     # The eager figures come from the cache of the run before.
     compiled = choose(net, **args, include_compiled=True)
-    assert calls[1:] == [["compile bf16-mixed", "reference bf16-mixed"]]
+    assert calls[1:] == [["compile bf16-mixed", "handwritten bf16-mixed"]]
     assert (compiled.path, compiled.precision, compiled.how) == (
         "compile",
         "bf16-mixed",
@@ -350,17 +413,15 @@ def test_compiled_paths_are_timed_only_with_speed_compile(tmp_path, monkeypatch)
     assert (again.path, again.how, len(calls)) == ("compile", "cached", 2)
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_a_forced_compiled_path_takes_the_hardwares_precision_untimed(monkeypatch, bf16):
-    """Timing both precisions would compile twice: bf16-mixed where the hardware computes
-    bfloat16, else 32-true, without a timing."""
-    monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: bf16)
-    monkeypatch.setattr("vit_mnist.speed.hardware.has_native_bf16", lambda on_cuda: bf16)
-    monkeypatch.setattr(choose_mod, "time_candidates", lambda *a, **k: pytest.fail("timed"))
+def test_a_forced_compiled_path_chooses_its_precision_on_its_eager_stand_in(monkeypatch):
+    monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: True)
+    speeds = {"handwritten 32-true": 1000.0, "handwritten bf16-mixed": 1500.0}
+    calls: list = []
+    monkeypatch.setattr(choose_mod, "time_candidates", _fake_timing(speeds, calls))
     net = VisionTransformer(patch_size=7, **TINY)
-    choice = choose(net, model_args=TINY, device=CPU, batch_size=8, path="compile")
-    precision = "bf16-mixed" if bf16 else "32-true"
-    assert (choice.path, choice.precision, choice.how) == ("compile", precision, "forced")
+    choice = choose(net, model_args=TINY, device=CPU, batch_size=8, path="compile", use_cache=False)
+    assert calls == [["handwritten 32-true", "handwritten bf16-mixed"]]
+    assert (choice.path, choice.precision, choice.how) == ("compile", "bf16-mixed", "measured")
 
 
 def _counted_path(name: str, steps: dict[str, int], delay_s: float = 0.0):
@@ -464,6 +525,14 @@ def test_under_cpu_ddp_each_process_times_its_steps_on_its_share_of_the_cores(mo
         assert f"{share} thread" in line and "2 threads" not in line
     finally:
         torch.set_num_threads(threads)
+
+
+def test_every_compiled_path_names_an_eager_counterpart_and_no_eager_path_does():
+    for name, path in PATHS.items():
+        if path.compiles:
+            assert path.eager in PATHS and not PATHS[path.eager].compiles, name
+        else:
+            assert path.eager is None, name
 
 
 def test_a_single_candidate_is_timed_over_every_round(monkeypatch):

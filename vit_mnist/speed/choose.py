@@ -7,9 +7,9 @@ and remember the figures in ``$VIT_MNIST_CACHE/speed_choices.json`` (default
 arguments, the batch size and the candidates. A later run with the same key starts at once;
 an entry it cannot read is measured again.
 
-The compiled path (``compile``) is timed only with
+The compiled paths (``compile``, ``compile_native``) are timed only with
 ``speed.compile=true``, because a model's first compile costs 30 to 60 s on a 2-core CPU;
-it is then timed at the precision the eager paths chose, against the eager winner.
+they are then timed at the precision the eager paths chose, against the eager winner.
 """
 
 from __future__ import annotations
@@ -33,13 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from vit_mnist.errors import ConfigError
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.speed import cache_root
-from vit_mnist.speed.hardware import (
-    describe_hardware,
-    hardware_key,
-    has_native_bf16,
-    resolve_precision,
-    uses_cuda,
-)
+from vit_mnist.speed.hardware import describe_hardware, hardware_key, has_native_bf16, uses_cuda
 from vit_mnist.speed.paths import PATHS
 
 log = logging.getLogger(__name__)
@@ -101,9 +95,7 @@ class Choice:
 def check_speed_path(path: Any) -> None:
     """Raise ConfigError naming ``speed.path`` unless it is ``auto`` or a path's name."""
     if path != "auto" and path not in PATHS:
-        removed = path in ("fused", "handwritten", "compile_native")
-        why = " (removed: it won no whole run anywhere, docs/speed.md)" if removed else ""
-        raise ConfigError(f"speed.path={path!r} is unknown{why}; use auto or one of {list(PATHS)}")
+        raise ConfigError(f"speed.path={path!r} is unknown; use auto or one of {list(PATHS)}")
 
 
 def candidates(
@@ -143,14 +135,10 @@ def candidates(
         if why is not None:
             raise ConfigError(f"speed.path={path} cannot run here: {why}; use speed.path=auto")
         paths = [path]
-    on_cuda = device.type == "cuda"
-    if precision != "auto":
-        precisions = [precision]
-    elif path != "auto" and PATHS[path].compiles:
-        # Timing both precisions would compile twice: the hardware's rule decides instead.
-        precisions = [resolve_precision(precision, on_cuda)]
+    if precision == "auto":
+        precisions = list(PRECISIONS) if has_native_bf16(device.type == "cuda") else ["32-true"]
     else:
-        precisions = list(PRECISIONS) if has_native_bf16(on_cuda) else ["32-true"]
+        precisions = [precision]
     return [(p, q) for p in paths for q in precisions], skipped
 
 
@@ -292,8 +280,7 @@ def choose(
         batch_size: images per training step (per process).
         path: ``auto`` or a path's name (forced).
         precision: ``auto`` (bf16-mixed only where the hardware computes bf16 and it
-            measures faster; for a forced compiled path, where the hardware computes bf16)
-            or a Lightning precision (forced).
+            measures faster) or a Lightning precision (forced).
         include_compiled: whether ``auto`` also times the compiled paths, at the precision
             the eager paths chose.
         use_cache: read and write the cache of earlier figures.
@@ -318,6 +305,13 @@ def choose(
             _write_cache(key, device, speeds)
         return speeds, "measured"
 
+    if all(PATHS[p].compiles for p, _ in pairs):
+        # A forced compiled path with precision auto: the precision is chosen on the eager
+        # path that stands for it, rather than compiling once per precision.
+        stand_ins = [(PATHS[p].eager, q) for p, q in pairs]
+        speeds, how = figures(stand_ins)
+        best = max(speeds, key=speeds.get).split(" ")[1]
+        return Choice(pairs[0][0], best, speeds, time.perf_counter() - start, how, skipped)
     eager = [p for p in pairs if not PATHS[p[0]].compiles]
     speeds, how = figures(eager)
     best = max(speeds, key=speeds.get)

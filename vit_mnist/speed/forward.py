@@ -1,24 +1,19 @@
-"""The reference ViT's forward pass, run on its own modules, for the ``compile`` and ``native``
-paths.
+"""The reference ViT's forward pass, run on its own modules with a choice of attention core.
 
-:func:`vit_forward` (compiled by the ``compile`` path) walks a
-:class:`~vit_mnist.models.vit.VisionTransformer`'s own patch embedding, blocks, norms and
-head (no copy of any weight) and differs from ``VisionTransformer.forward`` in three ways
-only, none of which changes the numbers beyond float rounding (tests/test_speed.py):
+:func:`vit_forward` walks a :class:`~vit_mnist.models.vit.VisionTransformer`'s own
+patch embedding, blocks, norms and head (no copy of any weight) and differs from
+``VisionTransformer.forward`` in three ways only, none of which changes the numbers
+beyond float rounding (tests/test_speed.py):
 
 - the patch embedding is a matrix product on the flattened patches (:func:`embed_forward`),
   the conv's own weight seen as a matrix, because oneDNN's backward of a one-channel
   convolution is slow on AVX2 CPUs (docs/speed.md);
 - the attention core softmax(Q K^T / sqrt(d_k)) V is a function passed in: the textbook
-  arithmetic (:func:`explicit_core`) or the C++ kernel (:func:`native_core`);
+  arithmetic, :func:`torch.nn.functional.scaled_dot_product_attention`, or the same
+  arithmetic with a hand-written backward (:class:`ExplicitAttention`);
 - the last block runs for the CLS token alone: only the CLS token reaches the head
   (ViT eq. 4), so the other tokens' attention rows, W^O, second LayerNorm and MLP in the
   last block are never read.
-
-:func:`native_vit_forward` is the same forward on the C++ kernels of
-:mod:`vit_mnist.speed.native`. Where a kernel cannot take an input (a shape it was not
-built for, attention dropout in training, tracing), that step runs on PyTorch's
-operations, with the same numbers.
 """
 
 from __future__ import annotations
@@ -29,11 +24,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from torch import nn
+from torch.autograd.function import once_differentiable
 
 from vit_mnist.models.attention import MultiHeadSelfAttention, causal_mask
 from vit_mnist.models.vit import EncoderBlock, VisionTransformer
-from vit_mnist.speed import native
 
 # (attention module, q_src, kv_src) -> Concat(head_1..head_h), (B, T_q, h*d_k), ready for
 # W^O. q_src is the packed projection (B, T, 3*h*d_k), Q, K and V side by side and heads
@@ -70,12 +64,130 @@ def explicit_core(
     return rearrange(attn.attn_dropout(weights).to(v.dtype) @ v, "b h t d -> b t (h d)")
 
 
-def kernel_applies(
+def sdpa_core(
+    attn: MultiHeadSelfAttention, q_src: torch.Tensor, kv_src: torch.Tensor | None = None
+) -> torch.Tensor:
+    """PyTorch's fused kernel. ``is_causal`` aligns the mask top-left, so a single CLS
+    query (token 0) sees key 0 only, as in the explicit path."""
+    q, k, v = split_heads(q_src, kv_src, attn.num_heads)
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        dropout_p=attn.attn_dropout.p if attn.training else 0.0,
+        is_causal=attn.causal,
+        scale=attn.scale,
+    )
+    return rearrange(out, "b h t d -> b t (h d)")
+
+
+class ExplicitAttention(torch.autograd.Function):
+    """softmax(Q K^T * scale) V with the backward written out (P the weights, dO the
+    output's gradient; the softmax gradient as in Bridle 1990):
+
+        dV = P^T dO,   dP = dO V^T,   dS = P * (dP - rowsum(dP * P)),
+        dQ = scale * dS K,   dK = scale * dS^T Q
+
+    It takes the projections packed and returns their gradients packed, so autograd has
+    no per-head views to undo: dQ, dK and dV are written side by side into one buffer and
+    laid out as the projection's output by one copy, where autograd would stack them and
+    copy again. It saves only Q, K, V and the weights P (in the inputs' dtype, so under
+    bf16 autocast no float32 copy of P is kept), makes Q, K, V contiguous once, folds the
+    scale into the matrix products' alpha instead of a pass of its own, and runs the
+    float32 softmax and the softmax backward in place, over the scores and over dP.
+
+    Inputs as an :data:`AttentionCore`'s (one dtype); output (B, T_q, h*d_k), heads
+    concatenated.
+    """
+
+    @staticmethod
+    def forward(ctx, q_src, kv_src, num_heads: int, scale: float, causal: bool):  # noqa: D102
+        q, k, v = split_heads(q_src, kv_src, num_heads)
+        b, h, t_q, d = q.shape
+        t_k = k.shape[2]
+        q = q.reshape(b * h, t_q, d)  # one copy each: they are strided views of the input
+        k = k.reshape(b * h, t_k, d)
+        v = v.reshape(b * h, t_k, d)
+        scores = q.new_empty(b * h, t_q, t_k)  # (B*h, T_q, T_k)
+        # out= the input itself: without it PyTorch's CPU baddbmm ran 4 to 6 times slower
+        # than this call at (1024, 50, 50) (docs/speed.md).
+        torch.baddbmm(scores, q, k.transpose(1, 2), beta=0, alpha=scale, out=scores)
+        if causal:
+            scores.masked_fill_(causal_mask(t_q, t_k, q.device), float("-inf"))
+        if scores.dtype in (torch.bfloat16, torch.float16):
+            # As the explicit path: the softmax in float32, rounded back for @ V.
+            weights = torch.softmax(scores.float(), dim=-1).to(scores.dtype)
+        else:
+            # In place: the scores are not needed again, and filling a fresh
+            # (B*h, T_q, T_k) buffer costs more than the softmax itself (docs/speed.md).
+            weights = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+        ctx.save_for_backward(q, k, v, weights)
+        ctx.scale = scale
+        ctx.packed = kv_src is None
+        return rearrange(torch.bmm(weights, v), "(b h) t d -> b t (h d)", b=b)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):  # noqa: D102
+        q, k, v, weights = ctx.saved_tensors
+        bh, t_q, d = q.shape
+        t_k = k.shape[1]
+        b = grad_out.shape[0]
+        grad_out = rearrange(grad_out, "b t (h d) -> (b h) t d", b=b, d=d).contiguous()
+        # The gradients of what the input packs, side by side: (dQ, dK, dV), or (dK, dV)
+        # with dQ apart when the queries came on their own.
+        if ctx.packed:
+            grads = q.new_empty(3, bh, t_k, d)
+            grad_q, grad_k, grad_v = grads.unbind(0)
+        else:
+            grads = q.new_empty(2, bh, t_k, d)
+            grad_k, grad_v = grads.unbind(0)
+            grad_q = q.new_empty(bh, t_q, d)
+        # A single query (the CLS-only last block) makes dV and dK outer products: one
+        # multiply each, where a batched matrix product with an inner size of 1 spends its
+        # time setting up each tiny matrix. Not in bf16, where the product rounds before the scale
+        # is applied and would land a step away from the matrix product's one rounding.
+        outer = t_q == 1 and q.dtype in (torch.float32, torch.float64)
+        if outer:
+            torch.mul(weights.transpose(1, 2), grad_out, out=grad_v)
+        else:
+            torch.bmm(weights.transpose(1, 2), grad_out, out=grad_v)
+        grad_weights = torch.bmm(grad_out, v.transpose(1, 2))
+        # The softmax's own backward kernel: P * (dP - rowsum(dP * P)) in one pass, written
+        # over dP, which nothing else reads.
+        grad_scores = torch.ops.aten._softmax_backward_data.out(
+            grad_weights, weights, -1, weights.dtype, grad_input=grad_weights
+        )
+        scale = ctx.scale
+        # beta=0: the uninitialised buffer is not read.
+        torch.baddbmm(grad_q, grad_scores, k, beta=0, alpha=scale, out=grad_q)
+        if outer:
+            torch.mul(grad_scores.transpose(1, 2), q, out=grad_k).mul_(scale)
+        else:
+            torch.baddbmm(grad_k, grad_scores.transpose(1, 2), q, beta=0, alpha=scale, out=grad_k)
+        grad_packed = rearrange(grads, "n (b h) t d -> b t (n h d)", b=b)  # the one copy
+        if ctx.packed:
+            return grad_packed, None, None, None, None
+        grad_q_src = rearrange(grad_q, "(b h) t d -> b t (h d)", b=b)
+        return grad_q_src, grad_packed, None, None, None
+
+
+def handwritten_backward_core(
+    attn: MultiHeadSelfAttention, q_src: torch.Tensor, kv_src: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:class:`ExplicitAttention` where a backward follows and no attention dropout is
+    drawn; the explicit arithmetic otherwise (inference, dropout, tracing)."""
+    if written_backward_applies(attn, q_src, kv_src):
+        return ExplicitAttention.apply(q_src, kv_src, attn.num_heads, attn.scale, attn.causal)
+    return explicit_core(attn, q_src, kv_src)
+
+
+def written_backward_applies(
     attn: MultiHeadSelfAttention, q_src: torch.Tensor, kv_src: torch.Tensor | None
 ) -> bool:
-    """Whether the C++ kernel may take these inputs: a backward follows (gradients on, an
-    input that needs one, not tracing) and no attention dropout is drawn (the kernel's
-    backward has none). Else the explicit arithmetic runs, nothing saved for a backward."""
+    """Whether a core with its own backward may take these inputs: a backward follows
+    (gradients on, an input that needs one, not tracing) and no attention dropout is drawn
+    (the written-out backward has none)."""
     return (
         torch.is_grad_enabled()
         and (q_src.requires_grad or (kv_src is not None and kv_src.requires_grad))
@@ -159,60 +271,3 @@ def vit_forward(
         x = block_forward(block, x, core)
     x = block_forward(net.blocks[-1], x, core, cls_only=True)
     return net.forward_head(net.norm(x))
-
-
-# The same forward on the C++ kernels (the ``native`` path): every residual add and the
-# LayerNorm that reads its sum run as one pass each way, so a block hands its MLP branch to
-# the next block un-added (:func:`_block_deferred`), where ``x + branch`` meets ``norm1``.
-
-
-def native_core(
-    attn: MultiHeadSelfAttention, q_src: torch.Tensor, kv_src: torch.Tensor | None = None
-) -> torch.Tensor:
-    """An :data:`~vit_mnist.speed.forward.AttentionCore`: the attention kernel where it
-    applies, the explicit arithmetic otherwise.
-
-    Shapes: q_src (B, T, 3*D) packed, or (B, T_q, D) with kv_src (B, T_k, 2*D) ->
-    (B, T_q, D), heads concatenated.
-    """
-    heads = attn.num_heads
-    if kernel_applies(attn, q_src, kv_src) and native.usable(q_src, kv_src, heads):
-        return native.FusedCPUAttention.apply(q_src, kv_src, heads, attn.scale, attn.causal)
-    return explicit_core(attn, q_src, kv_src)
-
-
-def _add_norm(
-    x: torch.Tensor, branch: torch.Tensor | None, norm: nn.LayerNorm, *, for_linear: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x + branch, norm(x + branch))``: one kernel pass where it applies."""
-    if torch.is_grad_enabled() and x.requires_grad and native.add_norm_usable(x, branch, norm):
-        return native.add_norm(x, branch, norm, for_linear=for_linear)
-    if branch is not None:
-        x = x + branch
-    return x, norm(x)
-
-
-def _block_deferred(
-    block: EncoderBlock, x: torch.Tensor, branch: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(z, m)`` with ``z + m == block(x + branch)``: the MLP branch ``m`` not yet added."""
-    x, h = _add_norm(x, branch, block.norm1, for_linear=True)
-    attn_out = block.drop_path(attention_forward(block.attn, h, native_core))
-    x, h = _add_norm(x, attn_out, block.norm2, for_linear=True)
-    return x, block.drop_path(block.mlp(h))
-
-
-def _block_cls(block: EncoderBlock, x: torch.Tensor, branch: torch.Tensor | None) -> torch.Tensor:
-    """``block(x + branch)[:, :1]``: the CLS token's output alone."""
-    x, h = _add_norm(x, branch, block.norm1, for_linear=True)
-    cls = x[:, :1] + block.drop_path(attention_forward(block.attn, h, native_core, cls_only=True))
-    return cls + block.drop_path(block.mlp(block.norm2(cls)))
-
-
-def native_vit_forward(net: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
-    """``net(x)`` on the C++ kernels: images (B, C, H, W) -> logits (B, num_classes)."""
-    x = embed_forward(net, x)
-    branch = None
-    for block in net.blocks[:-1]:
-        x, branch = _block_deferred(block, x, branch)
-    return net.forward_head(net.norm(_block_cls(net.blocks[-1], x, branch)))

@@ -21,8 +21,13 @@ from torch import nn
 
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.speed import native
-from vit_mnist.speed.forward import native_vit_forward, vit_forward
+from vit_mnist.speed.forward import (
+    handwritten_backward_core,
+    sdpa_core,
+    vit_forward,
+)
 from vit_mnist.speed.hardware import cpuinfo_flags, isa_class
+from vit_mnist.speed.native_forward import native_vit_forward
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
@@ -39,6 +44,8 @@ class TrainingPath:
         compiles: whether the first training step compiles (30-60 s for a model's first
             compile on a 2-core CPU); evaluation, without gradients, runs eagerly.
         unsupported: model -> why this path cannot run it, or None where it can.
+        eager: for a compiled path, the eager path that stands for it where the precision
+            is chosen (:func:`vit_mnist.speed.choose.choose`); None for an eager path.
     """
 
     name: str
@@ -47,6 +54,7 @@ class TrainingPath:
     unavailable: Callable[[torch.device], str | None]
     compiles: bool = False
     unsupported: Callable[[VisionTransformer], str | None] = lambda net: None
+    eager: str | None = None
 
 
 def _always(device: torch.device) -> None:
@@ -72,18 +80,28 @@ def _native_unsupported(net: VisionTransformer) -> str | None:
 @contextlib.contextmanager
 def compile_settings() -> Iterator[None]:
     """torch.compile settings for the ``compile`` path: they cut compile time, not speed.
-    ``torch._dynamo.config.specialize_float=True`` traces float module attributes (dropout
-    ``p``, LayerNorm ``eps``) as the constants they are, instead of as symbols that are
-    specialised later with a restart of the whole analysis. Left out where this torch
-    version lacks it."""
-    import torch._dynamo.config  # noqa: F401  (loaded by torch.compile; named here to be sure)
 
-    config = torch._dynamo.config
-    with (
-        config.patch(specialize_float=True)
-        if hasattr(config, "specialize_float")
-        else (contextlib.nullcontext())
-    ):
+    - ``torch._dynamo.config.specialize_float=True`` traces float module attributes (dropout
+      ``p``, LayerNorm ``eps``) as the constants they are, instead of as symbols that are
+      specialised later with a restart of the whole analysis.
+    - ``torch._functorch.config.autograd_cache_allow_custom_autograd_functions=True``:
+      AOTAutograd's on-disk cache otherwise skips a graph holding an ``autograd.Function``
+      (``compile_native``'s attention kernel), so every process would trace it again. The
+      Function's forward and backward are traced into the cache key, so a change to either
+      is a miss, not a stale hit (pytorch/pytorch#149751).
+
+    A setting that this torch version lacks is left out.
+    """
+    import torch._dynamo.config  # noqa: F401  (loaded by torch.compile; named here to be sure)
+    import torch._functorch.config  # noqa: F401
+
+    with contextlib.ExitStack() as stack:
+        for config, key in (
+            (torch._dynamo.config, "specialize_float"),
+            (torch._functorch.config, "autograd_cache_allow_custom_autograd_functions"),
+        ):
+            if hasattr(config, key):
+                stack.enter_context(config.patch(**{key: True}))
         yield
 
 
@@ -119,6 +137,10 @@ def _compiled(function: Callable[..., torch.Tensor]) -> Callable[[VisionTransfor
         return forward
 
     return build
+
+
+def _compile_native_unavailable(device: torch.device) -> str | None:
+    return _native_unavailable(device) or _compile_unavailable(device)
 
 
 def _compile_unavailable(device: torch.device) -> str | None:
@@ -166,11 +188,24 @@ PATHS: dict[str, TrainingPath] = {
             _always,
         ),
         TrainingPath(
+            "fused",
+            "scaled_dot_product_attention; last block for the CLS token only",
+            lambda net: functools.partial(vit_forward, net, core=sdpa_core),
+            _always,
+        ),
+        TrainingPath(
+            "handwritten",
+            "explicit attention with a hand-written backward; last block for the CLS token only",
+            lambda net: functools.partial(vit_forward, net, core=handwritten_backward_core),
+            _always,
+        ),
+        TrainingPath(
             "compile",
             "torch.compile (inductor) of the explicit forward; last block for the CLS token only",
             _compiled(vit_forward),
             _compile_unavailable,
             compiles=True,
+            eager="handwritten",
         ),
         TrainingPath(
             "native",
@@ -178,6 +213,15 @@ PATHS: dict[str, TrainingPath] = {
             lambda net: functools.partial(native_vit_forward, net),
             _native_unavailable,
             unsupported=_native_unsupported,
+        ),
+        TrainingPath(
+            "compile_native",
+            "torch.compile around the C++ attention kernel (AVX2, AVX-512)",
+            _compiled(native_vit_forward),
+            _compile_native_unavailable,
+            compiles=True,
+            unsupported=_native_unsupported,
+            eager="native",
         ),
     )
 }
