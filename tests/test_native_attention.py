@@ -173,7 +173,6 @@ def test_native_path_is_offered_at_avx2_and_avx512_only(monkeypatch):
     monkeypatch.setattr("vit_mnist.speed.native.isa_class", lambda: "ARM")
     reason = PATHS["native"].unavailable(CPU)
     assert reason is not None and reason.startswith("needs AVX2 or AVX-512")
-    assert PATHS["compile_native"].unavailable(CPU) == reason
     assert PATHS["native"].unavailable(torch.device("meta")) == "CPU only"
     # PyTorch at AVX2 (an AVX2 CPU, or ATEN_CPU_CAPABILITY=avx2): the 8-float build, no
     # LayerNorm kernel (AVX-512 intrinsics only).
@@ -211,47 +210,6 @@ def test_without_a_compiler_it_warns_and_the_explicit_path_runs(monkeypatch, tmp
         assert not any((tmp_path / "kernels").glob("*"))  # nothing half-built left behind
     finally:
         native._target_library.cache_clear()
-
-
-@needs_kernel
-@pytest.mark.parametrize("packed", [True, False])
-def test_kernel_operators_match_their_fake_versions(packed):
-    # torch.compile plans memory from the fake (meta) versions: shapes, dtypes and strides
-    # must be the real ones'. Inputs without grad, as AOTAutograd calls the operators.
-    q_src = torch.randn(2, 17, 3 * 32 if packed else 32)
-    kv_src = None if packed else torch.randn(2, 9, 2 * 32)
-    fwd = torch.ops.vit_mnist.attention_forward.default
-    tests = ("test_schema", "test_faketensor")
-    torch.library.opcheck(fwd, (q_src, kv_src, 2, 0.25, False), test_utils=tests)
-    out, weights = fwd(q_src, kv_src, 2, 0.25, False)
-    bwd = torch.ops.vit_mnist.attention_backward.default
-    args = (torch.randn_like(out), q_src, kv_src, weights, 2, 0.25)
-    torch.library.opcheck(bwd, args, test_utils=tests)
-
-
-@needs_kernel
-@pytest.mark.parametrize("bf16", [False, True])
-def test_torch_compile_calls_the_kernel_and_gives_eagers_numbers(bf16):
-    # aot_eager: dynamo and AOTAutograd trace the forward as inductor receives it (no graph
-    # break at the kernel), without inductor's half minute of code generation.
-    attn, x = seeded_attention(17, 32, 2, causal=False, batch=2)
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return _attention(attn, x, False)
-
-    compiled = torch.compile(forward, backend="aot_eager", fullgraph=True)
-    outs = []
-    for run in (compiled, forward):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            outs.append(run(x).float())
-    params = [x, attn.qkv.weight, attn.proj.weight]
-    assert_same_values_and_gradients(*outs, params, atol=0, rtol=0)
-    with torch.profiler.profile() as prof:  # compiled by now: one call of the kernel each way
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            compiled(x).sum().backward()
-    calls = {e.key: e.count for e in prof.key_averages()}
-    assert calls.get("vit_mnist::attention_forward") == 1
-    assert calls.get("vit_mnist::attention_backward") == 1
 
 
 @needs_kernel

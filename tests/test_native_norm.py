@@ -152,19 +152,3 @@ def test_without_a_compiler_it_warns_and_pytorchs_operations_run(monkeypatch, tm
     finally:
         native._norm_library.cache_clear()
         native._target_library.cache_clear()
-
-
-@needs_kernel
-def test_torch_compile_traces_pytorchs_operations_instead(monkeypatch):
-    # Inductor fuses the add and the LayerNorm itself; the kernel stays out of the graph.
-    calls = calls_to_kernel(monkeypatch)
-    model = ours()
-    x = torch.randn(2, 1, 28, 28)
-    compiled = torch.compile(native_vit_forward, backend="aot_eager", fullgraph=True)
-    out = compiled(model, x)
-    assert calls == []
-    # The reference: the same forward in eager mode with the add and LayerNorm kernel off
-    # (the attention kernel still on, as the compiled graph calls it).
-    monkeypatch.setattr(native, "add_norm_usable", lambda *args: False)
-    torch.testing.assert_close(out, native_vit_forward(model, x), atol=0, rtol=0)
-    assert calls == []

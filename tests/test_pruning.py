@@ -95,9 +95,8 @@ def test_speed_paths_run_a_pruned_model_or_say_why_not():
     for name in ("fused", "handwritten"):  # values and every parameter's gradient
         fast = PATHS[name].build(pruned)(x)
         assert_same_values_and_gradients(fast, pruned(x), params, atol=1e-5, rtol=1e-4)
-    for name in ("native", "compile_native"):
-        assert "pruned heads" in PATHS[name].unsupported(pruned)
-        assert PATHS[name].unsupported(_model()) is None
+    assert "pruned heads" in PATHS["native"].unsupported(pruned)
+    assert PATHS["native"].unsupported(_model()) is None
     pairs, skipped = candidates(CPU, "auto", "32-true", True, pruned)
     assert "native" in skipped and ("reference", "32-true") in pairs
     with pytest.raises(ConfigError, match="pruned heads"):

@@ -352,20 +352,13 @@ def test_a_damaged_cache_is_measured_again(tmp_path, monkeypatch):
 
 def test_compile_settings_apply_inside_and_restore_after():
     import torch._dynamo.config as dynamo_config
-    import torch._functorch.config as functorch_config
 
     from vit_mnist.speed.paths import compile_settings
 
-    keys = [
-        (dynamo_config, "specialize_float"),
-        (functorch_config, "autograd_cache_allow_custom_autograd_functions"),
-    ]
-    keys = [(config, key) for config, key in keys if hasattr(config, key)]
-    assert keys
-    before = [getattr(config, key) for config, key in keys]
+    before = dynamo_config.specialize_float
     with compile_settings():
-        assert all(getattr(config, key) is True for config, key in keys)
-    assert [getattr(config, key) for config, key in keys] == before
+        assert dynamo_config.specialize_float is True
+    assert dynamo_config.specialize_float == before
 
 
 def _fake_timing(speeds: dict[str, float], calls: list):
@@ -469,7 +462,7 @@ def test_timing_pays_the_loops_augmentation_in_every_step(monkeypatch):
     steps = {"reference": 0, "slow": 0}
     paths = {
         "reference": _counted_path("reference", steps),
-        "slow": _counted_path("slow", steps, 0.01),
+        "slow": _counted_path("slow", steps, 0.05),  # clear of a loaded machine's noise
     }
     monkeypatch.setattr(choose_mod, "PATHS", paths)
     datamodule = SyntheticDataModule(augment={"degrees": 10.0, "translate": 0.1})

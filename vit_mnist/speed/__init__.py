@@ -3,7 +3,7 @@
 The model a student reads is :mod:`vit_mnist.models`; nothing here changes what it
 computes. Each way of running its training step is a named path
 (:data:`~vit_mnist.speed.paths.PATHS`: ``reference``, ``fused``, ``handwritten``,
-``native``, ``compile``, ``compile_native``) that runs the model's own parameters and is
+``native``, ``compile``) that runs the model's own parameters and is
 tested against the reference (tests/test_speed.py). Which is fastest depends on the
 machine, so ``speed.path=auto`` measures them on the user's own and caches the answer;
 ``train()`` makes one call, :func:`~vit_mnist.speed.choose.prepare_speed`.

@@ -7,7 +7,7 @@ and remember the figures in ``$VIT_MNIST_CACHE/speed_choices.json`` (default
 arguments, the batch size and the candidates. A later run with the same key starts at once;
 an entry it cannot read is measured again.
 
-The compiled paths (``compile``, ``compile_native``) are timed only with
+The compiled path (``compile``) is timed only with
 ``speed.compile=true``, because a model's first compile costs 30 to 60 s on a 2-core CPU;
 they are then timed at the precision the eager paths chose, against the eager winner.
 """

@@ -14,11 +14,6 @@ AVX2 training step no faster, docs/speed.md). :mod:`vit_mnist.speed.paths`
 offers the ``native`` paths on those classes, and ``speed.path=auto`` takes one only where
 it measures fastest (docs/speed.md has the figures of both classes).
 
-``torch.compile`` sees the attention kernel as two custom operators,
-``vit_mnist::attention_forward`` and ``vit_mnist::attention_backward``, and fuses the
-operations around them (the ``compile_native`` path). The add and LayerNorm kernel stays
-out of compiled graphs (inductor fuses those operations itself).
-
 Each kernel is compiled on first use with the system's C++ compiler (``$CXX``, else ``c++``,
 ``g++`` or ``clang++``) for this CPU (``-march=native``, without AVX-512 where PyTorch runs
 at AVX2, as under ``ATEN_CPU_CAPABILITY=avx2``) and OpenMP, then cached under
@@ -205,10 +200,7 @@ def _split(q_src: torch.Tensor, kv_src: torch.Tensor | None) -> tuple[torch.Tens
     return kv, dim, dim if kv_src is None else 0
 
 
-@torch.compiler.assume_constant_result
 def _ready(dtype: torch.dtype, t_q: int, t_k: int, head_dim: int) -> bool:
-    # Python values in, a bool out, so that torch.compile takes the answer as a constant
-    # at tracing time instead of tracing the build and the ctypes load.
     return (
         dtype in _DTYPES
         and 1 <= t_q <= MAX_TOKENS
@@ -229,8 +221,7 @@ def usable(q_src: torch.Tensor, kv_src: torch.Tensor | None, num_heads: int) -> 
     """Whether the kernel takes these inputs (it is built on the first call that asks).
 
     ``q_src``: the packed projection (B, T, 3*D) when ``kv_src`` is None, else the queries
-    (B, T_q, D) with ``kv_src`` the keys and values (B, T_k, 2*D). Works under
-    ``torch.compile``, which records the answer as a constant.
+    (B, T_q, D) with ``kv_src`` the keys and values (B, T_k, 2*D).
     """
     kv, dim, _ = _split(q_src, kv_src)
     tensors = (q_src,) if kv_src is None else (q_src, kv_src)
@@ -257,13 +248,6 @@ def _rows(t: torch.Tensor, offset: int = 0) -> list[int]:
     return [t.data_ptr() + offset * t.element_size(), t.stride(0), t.stride(1)]
 
 
-def _kernel(q_src: torch.Tensor, kv_src: torch.Tensor | None, num_heads: int) -> ctypes.CDLL:
-    lib = kernel_for(q_src, kv_src, num_heads)
-    if lib is None:
-        raise RuntimeError("the fused CPU attention kernel cannot take these inputs")
-    return lib
-
-
 def _kv_rows(t: torch.Tensor, k_off: int, dim: int) -> list[int]:
     """:func:`_rows` of the keys' columns of ``t``, then of the values' (``dim`` later)."""
     return [*_rows(t, k_off), *_rows(t, k_off + dim)]
@@ -274,26 +258,15 @@ def _sizes(q_src: torch.Tensor, kv: torch.Tensor, dim: int, num_heads: int) -> l
     return [q_src.shape[0], num_heads, q_src.shape[1], kv.shape[1], dim // num_heads]
 
 
-# The kernel as two operators of torch's own, so that torch.compile (dynamo, AOTAutograd,
-# inductor) traces it like any other operator, from its fake version, and calls it as an
-# opaque kernel while it fuses the operations around it.
-@torch.library.custom_op("vit_mnist::attention_forward", mutates_args=(), device_types="cpu")
-def attention_forward(
-    q_src: torch.Tensor,
-    kv_src: torch.Tensor | None,
-    num_heads: int,
-    scale: float,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q_src, kv_src, num_heads: int, scale: float, causal: bool):
     """The kernel's forward: (output (B, T_q, D), weights (B*h, T_q, T_k rounded up to a
-    multiple of :func:`lanes`)).
-
-    Inputs as :class:`FusedCPUAttention`. Raises RuntimeError where the kernel cannot take
-    them (check :func:`usable` first).
-    """
-    lib = _kernel(q_src, kv_src, num_heads)
+    multiple of :func:`lanes`)). Inputs as :class:`FusedCPUAttention`."""
+    lib = kernel_for(q_src, kv_src, num_heads)
     kv, dim, k_off = _split(q_src, kv_src)
-    out, weights = _empty_outputs(q_src, kv, dim, num_heads)
+    b, t_q = q_src.shape[:2]
+    out = q_src.new_empty(b, t_q, dim)
+    width = lanes()
+    weights = q_src.new_empty(b * num_heads, t_q, -(-kv.shape[1] // width) * width)
     lib.attn_forward(
         _DTYPES[q_src.dtype],
         *_rows(q_src),
@@ -308,35 +281,14 @@ def attention_forward(
     return out, weights
 
 
-def _empty_outputs(q_src, kv, dim, num_heads):
-    b, t_q = q_src.shape[:2]
-    out = q_src.new_empty(b, t_q, dim)
-    width = lanes()
-    weights = q_src.new_empty(b * num_heads, t_q, -(-kv.shape[1] // width) * width)
-    return out, weights
-
-
-@attention_forward.register_fake
-def _(q_src, kv_src, num_heads, scale, causal):
-    kv, dim, _ = _split(q_src, kv_src)
-    return _empty_outputs(q_src, kv, dim, num_heads)
-
-
-@torch.library.custom_op("vit_mnist::attention_backward", mutates_args=(), device_types="cpu")
-def attention_backward(
-    grad_out: torch.Tensor,
-    q_src: torch.Tensor,
-    kv_src: torch.Tensor | None,
-    weights: torch.Tensor,
-    num_heads: int,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's backward: the gradients of ``q_src`` and ``kv_src`` (an empty tensor
-    for the packed form, whose one gradient is the first)."""
-    lib = _kernel(q_src, kv_src, num_heads)
+def _backward(grad_out, q_src, kv_src, weights, num_heads: int, scale: float):
+    """The kernel's backward: the gradients of ``q_src`` and of ``kv_src`` (None for the
+    packed form, whose one gradient is laid out as the qkv projection's output)."""
+    lib = kernel_for(q_src, kv_src, num_heads)
     kv, dim, k_off = _split(q_src, kv_src)
     grad_out = grad_out.contiguous()
-    grad_q_src, grad_kv_src = _empty_grads(q_src, kv_src)
+    grad_q_src = torch.empty_like(q_src)
+    grad_kv_src = None if kv_src is None else torch.empty_like(kv_src)
     grad_kv = grad_q_src if kv_src is None else grad_kv_src
     lib.attn_backward(
         _DTYPES[q_src.dtype],
@@ -351,17 +303,6 @@ def attention_backward(
         torch.get_num_threads(),
     )
     return grad_q_src, grad_kv_src
-
-
-def _empty_grads(q_src, kv_src):
-    # The packed form's one gradient is laid out as the qkv projection's output.
-    grad_kv_src = q_src.new_empty(0) if kv_src is None else torch.empty_like(kv_src)
-    return torch.empty_like(q_src), grad_kv_src
-
-
-@attention_backward.register_fake
-def _(grad_out, q_src, kv_src, weights, num_heads, scale):
-    return _empty_grads(q_src, kv_src)
 
 
 class FusedCPUAttention(torch.autograd.Function):
@@ -380,7 +321,7 @@ class FusedCPUAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_src, kv_src, num_heads: int, scale: float, causal: bool):  # noqa: D102
-        out, weights = attention_forward(q_src, kv_src, num_heads, scale, causal)
+        out, weights = _forward(q_src, kv_src, num_heads, scale, causal)
         ctx.save_for_backward(q_src, kv_src, weights)
         ctx.meta = (num_heads, scale)
         return out
@@ -390,10 +331,8 @@ class FusedCPUAttention(torch.autograd.Function):
     def backward(ctx, grad_out):  # noqa: D102
         q_src, kv_src, weights = ctx.saved_tensors
         num_heads, scale = ctx.meta
-        grad_q_src, grad_kv_src = attention_backward(
-            grad_out, q_src, kv_src, weights, num_heads, scale
-        )
-        return grad_q_src, None if kv_src is None else grad_kv_src, None, None, None
+        grad_q_src, grad_kv_src = _backward(grad_out, q_src, kv_src, weights, num_heads, scale)
+        return grad_q_src, grad_kv_src, None, None, None
 
 
 # The residual add and the LayerNorm after it (layer_norm_cpu.cpp).
@@ -435,8 +374,8 @@ def add_norm_usable(x: torch.Tensor, branch: torch.Tensor | None, norm: torch.nn
     """Whether :func:`add_norm` takes these inputs: a float32 CPU residual stream ``x``
     (..., D) with D <= 256, contiguous; ``branch`` None or of ``x``'s shape, float32 or
     bfloat16; a LayerNorm over D with weight and bias; an AVX-512 CPU (the kernel is built
-    on the first call that asks). Always False while ``torch.compile`` or ``torch.export``
-    traces (inductor fuses PyTorch's add and LayerNorm itself) and under jit tracing.
+    on the first call that asks). Always False under jit tracing, and while
+    ``torch.compile`` or ``torch.export`` traces (no compiled path calls the kernels).
     """
     dim = x.shape[-1]
     return (

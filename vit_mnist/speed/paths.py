@@ -80,28 +80,17 @@ def _native_unsupported(net: VisionTransformer) -> str | None:
 @contextlib.contextmanager
 def compile_settings() -> Iterator[None]:
     """torch.compile settings for the ``compile`` path: they cut compile time, not speed.
+    ``torch._dynamo.config.specialize_float=True`` traces float module attributes (dropout
+    ``p``, LayerNorm ``eps``) as the constants they are, instead of as symbols that are
+    specialised later with a restart of the whole analysis. Left out where this torch
+    version lacks it."""
+    import torch._dynamo.config as config
 
-    - ``torch._dynamo.config.specialize_float=True`` traces float module attributes (dropout
-      ``p``, LayerNorm ``eps``) as the constants they are, instead of as symbols that are
-      specialised later with a restart of the whole analysis.
-    - ``torch._functorch.config.autograd_cache_allow_custom_autograd_functions=True``:
-      AOTAutograd's on-disk cache otherwise skips a graph holding an ``autograd.Function``
-      (``compile_native``'s attention kernel), so every process would trace it again. The
-      Function's forward and backward are traced into the cache key, so a change to either
-      is a miss, not a stale hit (pytorch/pytorch#149751).
-
-    A setting that this torch version lacks is left out.
-    """
-    import torch._dynamo.config  # noqa: F401  (loaded by torch.compile; named here to be sure)
-    import torch._functorch.config  # noqa: F401
-
-    with contextlib.ExitStack() as stack:
-        for config, key in (
-            (torch._dynamo.config, "specialize_float"),
-            (torch._functorch.config, "autograd_cache_allow_custom_autograd_functions"),
-        ):
-            if hasattr(config, key):
-                stack.enter_context(config.patch(**{key: True}))
+    with (
+        config.patch(specialize_float=True)
+        if hasattr(config, "specialize_float")
+        else (contextlib.nullcontext())
+    ):
         yield
 
 
@@ -137,10 +126,6 @@ def _compiled(function: Callable[..., torch.Tensor]) -> Callable[[VisionTransfor
         return forward
 
     return build
-
-
-def _compile_native_unavailable(device: torch.device) -> str | None:
-    return _native_unavailable(device) or _compile_unavailable(device)
 
 
 def _compile_unavailable(device: torch.device) -> str | None:
@@ -213,15 +198,6 @@ PATHS: dict[str, TrainingPath] = {
             lambda net: functools.partial(native_vit_forward, net),
             _native_unavailable,
             unsupported=_native_unsupported,
-        ),
-        TrainingPath(
-            "compile_native",
-            "torch.compile around the C++ attention kernel (AVX2, AVX-512)",
-            _compiled(native_vit_forward),
-            _compile_native_unavailable,
-            compiles=True,
-            unsupported=_native_unsupported,
-            eager="native",
         ),
     )
 }
