@@ -236,6 +236,24 @@ def test_resume_command_names_the_program_the_user_started(monkeypatch, argv0, p
     assert command.startswith(f"{program} ") and command.endswith(" ckpt_path=c/last.ckpt")
 
 
+def test_resume_command_keeps_the_runs_hydra_overrides(tmp_path):
+    """An experiment that sweeps (heads_sweep sets hydra.mode=MULTIRUN), run once with
+    hydra.mode=RUN in a folder of its own: the command that resumes it must do the same,
+    not start the whole sweep in a new folder."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from tests.conftest import compose_config
+
+    run_dir = f"hydra.run.dir={tmp_path / 'run'}"
+    compose_config("train", ["experiment=heads_sweep", "hydra.mode=RUN", run_dir], tmp_path)
+    try:
+        command = resume_command(Path("c/last.ckpt"))
+    finally:
+        HydraConfig.instance().cfg = None
+    assert "experiment=heads_sweep" in command and "hydra.mode=RUN" in command
+    assert run_dir in command and command.endswith(" ckpt_path=c/last.ckpt")
+
+
 def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path):
     path = tmp_path / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(3)}, "v": 1}, path)

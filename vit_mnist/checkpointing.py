@@ -215,12 +215,20 @@ def resume_command(ckpt: Path | None) -> str:
     """The command line that resumes this run from ``ckpt``: the same program as the user
     started (``python train.py`` or ``vit-mnist-train``), the same overrides, a new ckpt_path.
 
-    With ``ckpt=None``: the command as it was given, ``ckpt_path`` included.
+    With ``ckpt=None``: the command as it was given, ``ckpt_path`` included. The run's own
+    ``hydra.*`` overrides come too (its run dir; ``hydra.mode=RUN`` over an experiment that
+    sweeps, such as ``heads_sweep``), and one job of a sweep resumes as a run in its folder.
     """
     try:
         from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
 
-        overrides = list(HydraConfig.get().overrides.task)
+        hydra_cfg = HydraConfig.get()
+        overrides = list(hydra_cfg.overrides.task)
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            overrides += [f"hydra.run.dir={hydra_cfg.runtime.output_dir}", "hydra.mode=RUN"]
+        else:
+            overrides += list(hydra_cfg.overrides.hydra)
     except ValueError:  # not started by @hydra.main (tests, notebooks)
         overrides = []
     if ckpt is not None:
