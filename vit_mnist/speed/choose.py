@@ -9,7 +9,7 @@ an entry it cannot read is measured again.
 
 The compiled path (``compile``) is timed only with
 ``speed.compile=true``, because a model's first compile costs 30 to 60 s on a 2-core CPU;
-they are then timed at the precision the eager paths chose, against the eager winner.
+it is then timed at the precision the eager paths chose, against the eager winner.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Both are built for the instruction-set class PyTorch's own kernels run at here
 where the CPU has AVX512-BF16) or for AVX2 (8-float vectors), the LayerNorm kernel for
 AVX-512 only (elsewhere PyTorch's add and LayerNorm run: an 8-float build of it made the
 AVX2 training step no faster, docs/speed.md). :mod:`vit_mnist.speed.paths`
-offers the ``native`` paths on those classes, and ``speed.path=auto`` takes one only where
+offers the ``native`` path on those classes, and ``speed.path=auto`` takes it only where
 it measures fastest (docs/speed.md has the figures of both classes).
 
 Each kernel is compiled on first use with the system's C++ compiler (``$CXX``, else ``c++``,
@@ -248,6 +248,13 @@ def _rows(t: torch.Tensor, offset: int = 0) -> list[int]:
     return [t.data_ptr() + offset * t.element_size(), t.stride(0), t.stride(1)]
 
 
+def _kernel(q_src: torch.Tensor, kv_src: torch.Tensor | None, num_heads: int) -> ctypes.CDLL:
+    lib = kernel_for(q_src, kv_src, num_heads)
+    if lib is None:
+        raise RuntimeError("the fused CPU attention kernel cannot take these inputs")
+    return lib
+
+
 def _kv_rows(t: torch.Tensor, k_off: int, dim: int) -> list[int]:
     """:func:`_rows` of the keys' columns of ``t``, then of the values' (``dim`` later)."""
     return [*_rows(t, k_off), *_rows(t, k_off + dim)]
@@ -260,8 +267,9 @@ def _sizes(q_src: torch.Tensor, kv: torch.Tensor, dim: int, num_heads: int) -> l
 
 def _forward(q_src, kv_src, num_heads: int, scale: float, causal: bool):
     """The kernel's forward: (output (B, T_q, D), weights (B*h, T_q, T_k rounded up to a
-    multiple of :func:`lanes`)). Inputs as :class:`FusedCPUAttention`."""
-    lib = kernel_for(q_src, kv_src, num_heads)
+    multiple of :func:`lanes`)). Inputs as :class:`FusedCPUAttention`; RuntimeError where
+    the kernel cannot take them (check :func:`usable` first)."""
+    lib = _kernel(q_src, kv_src, num_heads)
     kv, dim, k_off = _split(q_src, kv_src)
     b, t_q = q_src.shape[:2]
     out = q_src.new_empty(b, t_q, dim)
@@ -284,7 +292,7 @@ def _forward(q_src, kv_src, num_heads: int, scale: float, causal: bool):
 def _backward(grad_out, q_src, kv_src, weights, num_heads: int, scale: float):
     """The kernel's backward: the gradients of ``q_src`` and of ``kv_src`` (None for the
     packed form, whose one gradient is laid out as the qkv projection's output)."""
-    lib = kernel_for(q_src, kv_src, num_heads)
+    lib = _kernel(q_src, kv_src, num_heads)
     kv, dim, k_off = _split(q_src, kv_src)
     grad_out = grad_out.contiguous()
     grad_q_src = torch.empty_like(q_src)
