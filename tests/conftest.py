@@ -30,6 +30,16 @@ DATA_DIR = ROOT / "data"
 
 # A model small enough for a test to train in seconds on 2 cores.
 TINY_MODEL = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.patch_size=7"]
+# One epoch of synthetic data, as a `python train.py` test types it: the reference path in
+# float32 (the speed layer's own tests time the paths), no progress bar in the output.
+ONE_EPOCH = [
+    "data=synthetic",
+    "trainer=cpu",
+    "trainer.max_epochs=1",
+    "~callbacks.progress_bar",
+    "speed.path=reference",
+    "trainer.precision=32-true",
+]
 
 
 def compose_config(name: str, overrides: list[str], output_dir: Path) -> DictConfig:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import ROOT, TINY_MODEL
+from tests.conftest import ONE_EPOCH, ROOT, TINY_MODEL
 
 
 def run(script: str, *overrides: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -262,12 +262,7 @@ def test_multirun_writes_under_outputs_and_survives_a_bad_job(tmp_path, capsys):
         "train.py",
         "-m",
         "model.num_heads=3,2,4",
-        "data=synthetic",
-        "trainer=cpu",
-        "trainer.max_epochs=1",
-        "~callbacks.progress_bar",
-        "speed.path=handwritten",
-        "trainer.precision=32-true",
+        *ONE_EPOCH,
         *[o for o in TINY_MODEL if not o.startswith("model.num_heads")],
         cwd=tmp_path,
     )

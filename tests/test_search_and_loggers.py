@@ -10,7 +10,7 @@ import math
 import pytest
 import yaml
 
-from tests.conftest import TINY_MODEL
+from tests.conftest import ONE_EPOCH, TINY_MODEL
 from tests.test_cli import run
 from vit_mnist.errors import ConfigError
 from vit_mnist.train import train
@@ -25,12 +25,7 @@ def test_a_three_trial_optuna_study_optimises_validation_accuracy(tmp_path):
         "-m",
         "hparams_search=mnist_optuna",
         "hydra.sweeper.n_trials=3",
-        "data=synthetic",
-        "trainer=cpu",
-        "trainer.max_epochs=1",
-        "~callbacks.progress_bar",
-        "speed.path=reference",
-        "trainer.precision=32-true",
+        *ONE_EPOCH,
         *TINY_MODEL,
         cwd=tmp_path,
     )
