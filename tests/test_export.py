@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from tests.conftest import TINY_MODEL, compose_config
-from tests.test_cli import run
 from vit_mnist.errors import ConfigError
 from vit_mnist.export import export, run_exported
 from vit_mnist.train import train
@@ -47,13 +46,6 @@ def test_unknown_format_is_named(checkpoint, tmp_path):
     with pytest.raises(ConfigError, match="format=tflite is not one of .*onnx"):
         export(cfg)
     assert not list(tmp_path.glob("*.tflite"))
-
-
-def test_export_cli_without_checkpoint_is_one_line(tmp_path):
-    result = run("scripts/export.py", f"hydra.run.dir={tmp_path}")
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].startswith("error: ckpt_path is required")
-    assert "Traceback" not in result.stderr
 
 
 def test_an_existing_or_misnamed_output_is_refused(checkpoint, tmp_path):

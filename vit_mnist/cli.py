@@ -45,7 +45,8 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
 
     @wraps(main)
     def wrapper() -> Any:
-        user_wants_full_errors = bool(os.environ.get("HYDRA_FULL_ERROR"))
+        user_setting = os.environ.get("HYDRA_FULL_ERROR")
+        user_wants_full_errors = bool(user_setting)
         os.environ["HYDRA_FULL_ERROR"] = "1"
         try:
             result = main()
@@ -61,6 +62,13 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
                 raise
             print(f"error: {line}", file=sys.stderr)
             raise SystemExit(2) from None
+        finally:
+            # The user's own setting again for what runs after this call in this process
+            # (another entry point, a test) and the processes started after it.
+            if user_setting is None:
+                os.environ.pop("HYDRA_FULL_ERROR", None)
+            else:
+                os.environ["HYDRA_FULL_ERROR"] = user_setting
         from vit_mnist.errors import FAILED_JOBS
 
         if FAILED_JOBS:
