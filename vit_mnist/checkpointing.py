@@ -175,6 +175,37 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     return ckpt
 
 
+def check_teacher(teacher_ckpt: str | None, model: dict[str, Any]) -> None:
+    """A distillation run's teacher (``module.teacher_ckpt``) against its student's
+    arguments ``model``: both or neither set, the file a checkpoint of this project, and the
+    teacher classifying the same images into as many classes.
+
+    Raises:
+        ConfigError: one setting without the other, or a teacher of another shape.
+        CheckpointError: see :func:`read_checkpoint`.
+    """
+    if bool(model.get("distillation")) != bool(teacher_ckpt):
+        if teacher_ckpt:
+            raise ConfigError(
+                f"module.teacher_ckpt={teacher_ckpt} teaches a distillation token: add "
+                "model.distillation=true, or leave module.teacher_ckpt out"
+            )
+        raise ConfigError(
+            "model.distillation=true needs a teacher: module.teacher_ckpt=PATH (a checkpoint "
+            "written by train.py, e.g. outputs/train/runs/<run>/checkpoints/best-....ckpt)"
+        )
+    if not teacher_ckpt:
+        return
+    teacher = read_checkpoint(teacher_ckpt)["hyper_parameters"]["model"]
+    for key, default in (("num_classes", 10), ("img_size", 28), ("in_chans", 1)):
+        theirs, ours = teacher.get(key, default), model.get(key, default)
+        if theirs != ours:
+            raise ConfigError(
+                f"module.teacher_ckpt={teacher_ckpt} has {key}={theirs}, this model "
+                f"model.{key}={ours}: give a teacher trained on the same data"
+            )
+
+
 def resolve_ckpt_path(cfg: DictConfig) -> Path:
     """``cfg.ckpt_path`` as a path; ``latest`` is the newest ``best-*.ckpt`` under outputs/.
 

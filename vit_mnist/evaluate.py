@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from torchmetrics.functional.regression import spearman_corrcoef
 
 from vit_mnist.analysis.attention import head_statistics
+from vit_mnist.analysis.distillation import cls_dist_similarity
 from vit_mnist.analysis.faithfulness import (
     explanation_maps,
     faithfulness_figure,
@@ -181,6 +182,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "dataset": dataset,
         "data_source": getattr(datamodule, "source", None),
     }
+    if module.net.dist_token is not None:
+        # DeiT (section 4): the two tokens' cosine similarity, at the input and per block.
+        metrics["cls_dist_cosine_by_layer"] = cls_dist_similarity(module.net, images[:1000])
     acc, loss = results[f"{split}/acc"], results[f"{split}/loss"]
     print(f"{split}/acc = {acc:.4f}  ({split}/loss = {loss:.4f})")
 

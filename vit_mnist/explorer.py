@@ -249,8 +249,9 @@ class Explorer:
             heads_off: (layer, head) pairs switched off, heads numbered within the block.
             target: the class the relevance explains; None or :data:`PREDICTED`: the
                 predicted one.
-            layer, token: the query view's layer and query token (0 = CLS, 1 + r * grid
-                + c = patch (r, c)).
+            layer, token: the query view's layer and query token (0 = CLS, 1 = the
+                distillation token of a distilled model, ``model.num_prefix_tokens + r *
+                grid + c`` = patch (r, c)).
             matrix_head: the head (within ``layer``) whose full attention matrix is shown;
                 None: none.
             source: where the image came from, for the summary line.
@@ -332,7 +333,7 @@ class Explorer:
         side = self.model.patch_embed.img_size * ZOOM
         r = min(grid - 1, max(0, int(y * grid // side)))
         c = min(grid - 1, max(0, int(x * grid // side)))
-        return 1 + r * grid + c
+        return self.model.num_prefix_tokens + r * grid + c
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -403,9 +404,9 @@ def build_page(explorer: Explorer):
     model = explorer.model
     grid = model.patch_embed.grid_size
     names = explorer.class_names
-    tokens = [("CLS", 0)] + [
-        (f"patch {r},{c}", 1 + r * grid + c) for r in range(grid) for c in range(grid)
-    ]
+    prefix = model.num_prefix_tokens
+    tokens = [("CLS", 0)] + [("distillation", 1)] * (prefix > 1)
+    tokens += [(f"patch {r},{c}", prefix + r * grid + c) for r in range(grid) for c in range(grid)]
 
     def head_choices(layer: int) -> list[tuple[str, int]]:
         return [(f"head {n}", h) for h, n in enumerate(explorer.head_names[layer])]

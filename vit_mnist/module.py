@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 from typing import Any
@@ -13,32 +12,13 @@ from torch import nn
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from vit_mnist.distillation import hard_distillation_loss
 from vit_mnist.errors import NonFiniteLossError
 from vit_mnist.models.vit import VisionTransformer
+from vit_mnist.schedule import warmup_cosine
 from vit_mnist.settings import ModuleSettings, check_arguments
 
 RUN_INFO_KEY = "vit_mnist"
-
-
-def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Learning-rate multiplier: linear warm-up from 0, then cosine decay to ``min_lr_ratio``.
-
-    Loshchilov and Hutter 2017 (SGDR) eq. 5 without restarts, after Goyal et al. 2017's
-    linear warm-up.
-
-    Args:
-        step: optimizer steps taken so far (0-based).
-        warmup_steps: steps of the linear ramp; the multiplier reaches 1 at this step.
-        total_steps: steps in the whole run; the multiplier reaches ``min_lr_ratio`` here.
-        min_lr_ratio: final learning rate as a fraction of the peak.
-
-    Returns:
-        A multiplier in [0, 1] for the peak learning rate.
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class ViTClassifier(L.LightningModule):
@@ -65,6 +45,8 @@ class ViTClassifier(L.LightningModule):
             repeated); 0 classifies each image once. Validation stays one view. The
             ten-crop average of Krizhevsky et al. 2012 (section 4.1) with Simard et al.
             2003's shifts (section 2).
+        teacher_ckpt: a checkpoint of this project whose hard labels the distillation token
+            learns (vit_mnist/distillation.py); needs ``model["distillation"]``. None: none.
 
     Logged: ``train/loss`` (per step), ``train/acc``, ``val/loss``, ``val/acc``,
     ``val/acc_best``, ``test/loss`` and ``test/acc`` (per epoch; accuracies are
@@ -87,6 +69,7 @@ class ViTClassifier(L.LightningModule):
         min_lr_ratio: float = 0.01,
         label_smoothing: float = 0.0,
         test_time_shift: int = 0,
+        teacher_ckpt: str | None = None,
     ) -> None:
         super().__init__()
         # Each value's type and range: the schema's (ModuleSettings), named as in configs.
@@ -101,6 +84,8 @@ class ViTClassifier(L.LightningModule):
         # plain callable, not a module, so checkpoints hold net.* alone.
         self.step_forward: Callable[[torch.Tensor], torch.Tensor] = self.net.__call__
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+        # Loaded when fitting starts; outside the module tree, so not in the checkpoints.
+        self.teacher: Callable[[torch.Tensor], torch.Tensor] | None = None
         classes = model.get("num_classes", 10)
         self.train_acc, self.val_acc, self.test_acc, self.test_acc_one_view = (
             MulticlassAccuracy(num_classes=classes, average="micro") for _ in range(4)
@@ -113,6 +98,13 @@ class ViTClassifier(L.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, 1, 28, 28) float -> logits (B, num_classes), by the reference model."""
         return self.net(x)
+
+    def on_fit_start(self) -> None:
+        if self.hparams.teacher_ckpt and self.teacher is None:
+            teacher = type(self).load_from_checkpoint(
+                self.hparams.teacher_ckpt, map_location=self.device, weights_only=True
+            )
+            self.teacher = teacher.net.eval().requires_grad_(False).__call__
 
     def on_train_start(self) -> None:
         # The sanity-check validation must not count towards the best accuracy; a resumed
@@ -128,8 +120,16 @@ class ViTClassifier(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         x, y = batch
-        logits = self.step_forward(x)
-        loss = self.criterion(logits, y)
+        if self.teacher is None:
+            logits = self.step_forward(x)
+            loss = self.criterion(logits, y)
+        else:  # both heads of the reference model, and the teacher's view of the same batch
+            tokens = self.net.forward_features(x)
+            with torch.no_grad():
+                teacher_logits = self.teacher(x)
+            heads = self.net.forward_heads(tokens)
+            loss = hard_distillation_loss(*heads, y, teacher_logits, self.hparams.label_smoothing)
+            logits = self.net.forward_head(tokens)
         if not torch.isfinite(loss):
             lr = self.trainer.optimizers[0].param_groups[0]["lr"] if self.trainer else float("nan")
             raise NonFiniteLossError(

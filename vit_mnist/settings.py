@@ -161,6 +161,7 @@ class ModelSettings:
     causal: bool = _setting()
     qkv_bias: bool = _setting()
     drop_path_rate: float = _rate("model.drop_path_rate")
+    distillation: bool = _setting()
 
 
 @dataclass
@@ -179,6 +180,7 @@ class ModuleSettings:
     # 1 would make every target uniform: nothing left to learn.
     label_smoothing: float = _setting(ge=0, lt=1, example="module.label_smoothing=0.1")
     test_time_shift: int = _test_time_shift("module.test_time_shift")
+    teacher_ckpt: str | None = _setting(example="module.teacher_ckpt=PATH/best.ckpt")
 
 
 @dataclass

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from vit_mnist.callbacks.throughput import TrainThroughput
-from vit_mnist.checkpointing import model_to_start_from, resume_checkpoint
+from vit_mnist.checkpointing import check_teacher, model_to_start_from, resume_checkpoint
 from vit_mnist.data.augment import BatchAugment
 from vit_mnist.data.sources import MNIST_MD5, raw_folder
 from vit_mnist.errors import ConfigError, exit_on_user_error
@@ -126,6 +126,7 @@ def check_config(cfg: DictConfig) -> None:
             "use data=mnist, data=fashion_mnist or data=synthetic"
         )
     _check_model_fits_data(model, datamodule_cls)
+    check_teacher(cfg.module.get("teacher_ckpt"), model)
     if data.get("data_dir") is not None:
         _check_data_dir(str(data.data_dir), getattr(datamodule_cls, "folder", "MNIST"))
     _check_device(cfg.trainer)

@@ -9,6 +9,7 @@
   al. 2019, section 4);
 - :mod:`vit_mnist.analysis.faithfulness`: the perturbation test of explanations;
 - :mod:`vit_mnist.analysis.per_class`: per-class metrics, confusion matrix, errors;
+- :mod:`vit_mnist.analysis.distillation`: the distillation token beside the CLS token (DeiT);
 - :mod:`vit_mnist.analysis.explain`: all of the above for one image with heads switched
   off, as the explorer shows it.
 
@@ -23,6 +24,7 @@ from vit_mnist.analysis.attention import (
     head_statistics,
     mean_attention_distance,
 )
+from vit_mnist.analysis.distillation import cls_dist_similarity
 from vit_mnist.analysis.explain import ImageExplanation, explain_image
 from vit_mnist.analysis.faithfulness import explanation_maps, perturbation_test
 from vit_mnist.analysis.heads import (
@@ -40,6 +42,7 @@ __all__ = [
     "attention_report",
     "attention_rollout",
     "class_relevance",
+    "cls_dist_similarity",
     "explain_image",
     "cls_attention",
     "explanation_maps",

@@ -81,17 +81,20 @@ def mean_attention_distance(
 
     For each patch query, the distance in pixels between its patch centre and every patch
     key's centre, weighted by the attention it pays to that key (renormalised over the
-    patch keys, so the CLS token does not count), averaged over queries and images.
+    patch keys, so the CLS token, and a distillation token, do not count), averaged over
+    queries and images.
 
     Args:
-        weights: (batch, heads, 1 + grid_size**2, 1 + grid_size**2), token 0 the CLS token.
+        weights: (batch, heads, tokens, tokens): the CLS token (and a distillation token),
+            then the ``grid_size**2`` patches.
         grid_size: patches per image side.
         patch_size: patch side in pixels.
 
     Returns:
         (heads,) float32, in pixels.
     """
-    w = weights[:, :, 1:, 1:].float()
+    patches = grid_size**2  # the last tokens, after the CLS (and distillation) token
+    w = weights[:, :, -patches:, -patches:].float()
     w = w / w.sum(dim=-1, keepdim=True).clamp_min(1e-12)
     dist = _patch_distances(grid_size, patch_size).to(w.device)
     return (w * dist).sum(dim=-1).mean(dim=(0, 2))
@@ -101,15 +104,17 @@ def cls_attention(weights: torch.Tensor, grid_size: int, token: int = 0) -> torc
     """The CLS token's attention over the patches, as images; or another query token's.
 
     Args:
-        weights: (batch, heads, 1 + grid_size**2, 1 + grid_size**2), or
-            (batch, tokens, tokens) for a rollout.
-        token: the query token whose row is taken: 0 = CLS, 1 + r * grid_size + c = the
-            patch in row r, column c.
+        weights: (batch, heads, tokens, tokens), or (batch, tokens, tokens) for a rollout:
+            the CLS token (and a distillation token), then the ``grid_size**2`` patches.
+        token: the query token whose row is taken: 0 = CLS, 1 = the distillation token of
+            a distilled model, ``prefix + r * grid_size + c`` = the patch in row r, column
+            c, with ``prefix`` the model's ``num_prefix_tokens``.
 
     Returns:
         (batch, heads, grid_size, grid_size), or (batch, grid_size, grid_size).
     """
-    return rearrange(weights[..., token, 1:], "... (gh gw) -> ... gh gw", gh=grid_size)
+    patches = weights[..., token, -(grid_size**2) :]
+    return rearrange(patches, "... (gh gw) -> ... gh gw", gh=grid_size)
 
 
 # ----------------------------------------------------------------------------- report
@@ -251,18 +256,22 @@ def attention_report(
         if not pictures:
             continue
         heads = w.shape[1]
-        maps = cls_attention(w, grid_size)  # (N, heads, g, g)
+        # The CLS token's rows, then (a distilled model) the distillation token's.
+        prefix = w.shape[-1] - grid_size**2
+        maps = torch.cat([cls_attention(w, grid_size, t) for t in range(prefix)], dim=1)
         tiles = rearrange(
-            overlay(images.repeat_interleave(heads, 0), maps.flatten(0, 1)),
+            overlay(images.repeat_interleave(prefix * heads, 0), maps.flatten(0, 1)),
             "(n h) c y x -> h n c y x",
             n=n,
         )
+        row_labels = [f"{name}head {h}" for name in ("", "dist. ")[:prefix] for h in range(heads)]
+        whose = "CLS" if prefix == 1 else "CLS and distillation token"
         report.layer_grids.append(
             labelled_grid(
                 tiles,
-                row_labels=[f"head {h}" for h in range(heads)],
+                row_labels=row_labels,
                 col_labels=col_labels,
-                title=f"layer {layer}: CLS attention per head (true>predicted)",
+                title=f"layer {layer}: {whose} attention per head (true>predicted)",
                 zoom=zoom,
             )
         )

@@ -60,8 +60,9 @@ class ImageExplanation:
         return int(self.probs.argmax())
 
     def token_maps(self, layer: int, token: int) -> torch.Tensor:
-        """(heads, grid, grid): where query ``token`` (0 = CLS, ``1 + r * grid + c`` = the
-        patch in row r, column c) attends in ``layer``, per head, over the patches."""
+        """(heads, grid, grid): where query ``token`` (see
+        :func:`~vit_mnist.analysis.attention.cls_attention`) attends in ``layer``, per head,
+        over the patches."""
         return cls_attention(self.weights[layer], self.grid_size, token)
 
 

@@ -126,7 +126,7 @@ def class_relevance(
                 for a, g in zip(weights, grads, strict=True):
                     a_bar = (g * a.detach()).clamp(min=0).mean(dim=1)  # (B, T, T), eq. 5
                     r = r + a_bar @ r  # eq. 6
-                maps.append(r[:, 0, 1:].cpu())
+                maps.append(r[:, 0, -(grid * grid) :].cpu())  # the patches: last tokens
                 classes.append(c.cpu())
     finally:
         model.train(was_training)

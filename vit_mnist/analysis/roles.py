@@ -216,7 +216,7 @@ def head_roles(
             n = per_patch["ink_share"].shape[0]
             for layer, w in enumerate(weights):
                 w = w.float().cpu()
-                cls = w[:, :, 0, 1:]
+                cls = w[:, :, 0, -(grid * grid) :]  # over the patches, the last tokens
                 cls = cls / cls.sum(-1, keepdim=True).clamp_min(1e-12)  # (B, h, P)
                 figures = {k: (cls * v[:, None]).sum(-1).sum(0) for k, v in per_patch.items()}
                 figures.update({k: v[chunk].sum().expand(w.shape[1]) for k, v in areas.items()})

@@ -31,6 +31,7 @@ def check_vit_args(
     causal: bool = False,
     qkv_bias: bool = True,
     drop_path_rate: float = 0.0,
+    distillation: bool = False,
 ) -> None:
     """Check :class:`VisionTransformer` arguments without building anything.
 

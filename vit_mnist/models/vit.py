@@ -6,6 +6,11 @@ Dosovitskiy et al. 2021, "An Image is Worth 16x16 Words", eq. 1-4:
     z'_l = MSA(LN(z_{l-1})) + z_{l-1}                                   (eq. 2)
     z_l = MLP(LN(z'_l)) + z'_l                                          (eq. 3)
     y = LN(z_L^0) -> linear head                                        (eq. 4)
+
+With ``distillation=True``, DeiT's distillation token (Touvron et al. 2021, "Training
+data-efficient image transformers & distillation through attention", section 4): a second
+learned token beside the CLS token, read by a head of its own, which training matches to a
+teacher's hard labels (vit_mnist/distillation.py).
 """
 
 from __future__ import annotations
@@ -142,9 +147,13 @@ class VisionTransformer(nn.Module):
         drop_path_rate: stochastic depth of the last block; block ``i`` drops its residual
             branches with probability ``drop_path_rate * i / (depth - 1)`` (the linear rule
             of Huang et al. 2016, as in DeiT and timm). 0 turns it off.
+        distillation: add DeiT's distillation token (token 1) and its head ``head_dist``;
+            the prediction is then the two heads' softmax averaged (DeiT section 4), see
+            :meth:`forward_head`. False builds the textbook model, parameter for parameter.
 
     Shapes: images (batch, in_chans, img_size, img_size) float -> logits (batch, num_classes).
-    Tokens: 1 CLS token followed by ``(img_size // patch_size) ** 2`` patch tokens.
+    Tokens: the CLS token (and with ``distillation`` the distillation token), then
+    ``(img_size // patch_size) ** 2`` patch tokens; ``num_prefix_tokens`` counts the first.
 
     Raises:
         ConfigError (a ValueError): an impossible combination, naming the values.
@@ -168,6 +177,7 @@ class VisionTransformer(nn.Module):
         causal: bool = False,
         qkv_bias: bool = True,
         drop_path_rate: float = 0.0,
+        distillation: bool = False,
     ) -> None:
         super().__init__()
         arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -178,8 +188,10 @@ class VisionTransformer(nn.Module):
         self.patch_embed = PatchEmbedding(
             img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim
         )
-        self.num_tokens = self.patch_embed.num_patches + 1
+        self.num_prefix_tokens = 2 if distillation else 1
+        self.num_tokens = self.patch_embed.num_patches + self.num_prefix_tokens
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if distillation else None
         self.pos_embed = nn.Parameter(torch.zeros(1, self.num_tokens, embed_dim))
         self.pos_drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
@@ -199,12 +211,15 @@ class VisionTransformer(nn.Module):
         )
         self.norm = nn.LayerNorm(embed_dim)
         self.head = nn.Linear(embed_dim, num_classes)
+        self.head_dist = nn.Linear(embed_dim, num_classes) if distillation else None
         self.init_weights()
 
     def init_weights(self) -> None:
         """Truncated-normal(0.02) for weights and embeddings, zeros for biases (as in timm)."""
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         nn.init.trunc_normal_(self.cls_token, std=0.02)
+        if self.dist_token is not None:
+            nn.init.trunc_normal_(self.dist_token, std=0.02)
         for m in self.modules():
             if isinstance(m, nn.Linear | nn.Conv2d):
                 nn.init.trunc_normal_(m.weight, std=0.02)
@@ -219,19 +234,33 @@ class VisionTransformer(nn.Module):
         # expand, not einops.repeat: einops keys its backends by exact type, so a Parameter
         # argument registered a second backend in the middle of torch.compile's first trace,
         # and every process compiled the model one more time (about 2.4 s each).
-        cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, D), a view
-        return self.pos_drop(torch.cat([cls, x], dim=1) + self.pos_embed)  # (B, 1+N, D)
+        prefix = [self.cls_token] if self.dist_token is None else [self.cls_token, self.dist_token]
+        prefix = [t.expand(x.shape[0], -1, -1) for t in prefix]  # (B, 1, D) each, views
+        return self.pos_drop(torch.cat([*prefix, x], dim=1) + self.pos_embed)  # (B, T, D)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (B, C, H, W) -> normalised tokens (B, 1 + num_patches, embed_dim)."""
+        """Images (B, C, H, W) -> normalised tokens (B, num_tokens, embed_dim)."""
         x = self._embed(x)
         for block in self.blocks:
             x = block(x)
         return self.norm(x)
 
+    def forward_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens (B, T, embed_dim) -> the CLS head's logits (B, num_classes) (eq. 4) and the
+        distillation head's from token 1 (B, num_classes), or None without distillation."""
+        dist = None if self.head_dist is None else self.head_dist(x[:, 1])
+        return self.head(x[:, 0]), dist
+
     def forward_head(self, x: torch.Tensor) -> torch.Tensor:
-        """Tokens (B, T, embed_dim) -> logits (B, num_classes) from the CLS token (eq. 4)."""
-        return self.head(x[:, 0])
+        """Tokens (B, T, embed_dim) -> logits (B, num_classes) from the CLS token (eq. 4).
+
+        With distillation: the log of the two heads' softmax averaged (DeiT section 4), in
+        float32. Its softmax is that average, so the cross-entropy, the accuracy and a
+        test-time average of softmaxes treat it as any logits."""
+        cls, dist = self.forward_heads(x)
+        if dist is None:
+            return cls
+        return ((cls.float().softmax(-1) + dist.float().softmax(-1)) / 2).log()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> logits (B, num_classes)."""

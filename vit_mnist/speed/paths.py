@@ -61,10 +61,20 @@ def _always(device: torch.device) -> None:
     return None
 
 
+def _cls_token_only(net: VisionTransformer) -> str | None:
+    """Why a path with a last block for the CLS token alone cannot run ``net``: DeiT's
+    distillation token needs its own row and head there too."""
+    if net.num_prefix_tokens > 1:
+        return "the distillation token (model.distillation=true) runs on the reference path"
+    return None
+
+
 def _native_unsupported(net: VisionTransformer) -> str | None:
     """Why the C++ attention kernel does not take ``net``: it is built and tested for
     h * d_k == D in every block, which a model with pruned heads breaks; or it cannot be
-    built here (no working compiler, an unwritable cache)."""
+    built here (no working compiler, an unwritable cache); or :func:`_cls_token_only`."""
+    if why := _cls_token_only(net):
+        return why
     for i, block in enumerate(net.blocks):
         attn = block.attn
         if attn.num_heads * attn.head_dim != attn.embed_dim:
@@ -177,12 +187,14 @@ PATHS: dict[str, TrainingPath] = {
             "scaled_dot_product_attention; last block for the CLS token only",
             lambda net: functools.partial(vit_forward, net, core=sdpa_core),
             _always,
+            unsupported=_cls_token_only,
         ),
         TrainingPath(
             "handwritten",
             "explicit attention with a hand-written backward; last block for the CLS token only",
             lambda net: functools.partial(vit_forward, net, core=handwritten_backward_core),
             _always,
+            unsupported=_cls_token_only,
         ),
         TrainingPath(
             "compile",
@@ -190,6 +202,7 @@ PATHS: dict[str, TrainingPath] = {
             _compiled(vit_forward),
             _compile_unavailable,
             compiles=True,
+            unsupported=_cls_token_only,
             eager="handwritten",
         ),
         TrainingPath(

@@ -1,0 +1,205 @@
+"""DeiT's distillation token (model.distillation=true, module.teacher_ckpt=PATH)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import TINY_MODEL, compose_config
+from vit_mnist.analysis.distillation import cls_dist_similarity
+from vit_mnist.checkpointing import read_checkpoint
+from vit_mnist.distillation import hard_distillation_loss
+from vit_mnist.errors import CheckpointError, ConfigError
+from vit_mnist.evaluate import evaluate
+from vit_mnist.models.vit import VisionTransformer
+from vit_mnist.module import ViTClassifier
+from vit_mnist.train import train
+
+TINY = dict(patch_size=7, embed_dim=32, depth=2, num_heads=2)
+
+
+def test_distillation_off_is_the_textbook_model():
+    torch.manual_seed(0)
+    textbook = VisionTransformer(**TINY)
+    torch.manual_seed(0)
+    off = VisionTransformer(**TINY, distillation=False)
+    assert off.state_dict().keys() == textbook.state_dict().keys()
+    for key, value in textbook.state_dict().items():
+        assert torch.equal(off.state_dict()[key], value), key
+    x = torch.randn(3, 1, 28, 28)
+    assert torch.equal(off(x), textbook(x))
+    assert off.num_prefix_tokens == 1 and off.dist_token is None and off.head_dist is None
+
+
+def test_distilled_model_predicts_the_two_heads_softmax_averaged():
+    torch.manual_seed(0)
+    net = VisionTransformer(**TINY, distillation=True).eval()
+    assert net.num_prefix_tokens == 2 and net.num_tokens == 2 + 16
+    x = torch.randn(3, 1, 28, 28)
+    tokens = net.forward_features(x)
+    cls, dist = net.forward_heads(tokens)
+    assert torch.equal(cls, net.head(tokens[:, 0])) and torch.equal(
+        dist, net.head_dist(tokens[:, 1])
+    )
+    expected = (cls.softmax(-1) + dist.softmax(-1)) / 2
+    torch.testing.assert_close(net(x).softmax(-1), expected)
+    # The attention weights cover the distillation token too (T = 2 + 16).
+    _, weights = net.forward_with_attention(x)
+    assert weights[0].shape == (3, 2, 18, 18)
+
+
+def test_hard_distillation_loss_is_the_hand_computation():
+    cls = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    dist = torch.tensor([[0.0, 3.0, 0.0], [1.0, 1.0, 1.0]])
+    labels = torch.tensor([0, 1])
+    teacher = torch.tensor([[0.1, 0.9, 0.0], [0.0, 0.2, 0.7]])  # hard labels 1 and 2
+
+    def nll(logits: list[float], k: int) -> float:  # -log softmax(logits)_k
+        return -logits[k] + math.log(sum(math.exp(v) for v in logits))
+
+    true_term = (nll([2, 0, 0], 0) + nll([0, 1, 0], 1)) / 2
+    teacher_term = (nll([0, 3, 0], 1) + nll([1, 1, 1], 2)) / 2
+    loss = hard_distillation_loss(cls, dist, labels, teacher)
+    assert loss.item() == pytest.approx((true_term + teacher_term) / 2, rel=1e-6)
+    # Label smoothing eps on the true labels only: (1 - eps) * nll + eps * mean over classes.
+    eps = 0.3
+    smoothed = [
+        (1 - eps) * nll(row, k) + eps * sum(nll(row, c) for c in range(3)) / 3
+        for row, k in (([2, 0, 0], 0), ([0, 1, 0], 1))
+    ]
+    loss = hard_distillation_loss(cls, dist, labels, teacher, label_smoothing=eps)
+    assert loss.item() == pytest.approx((sum(smoothed) / 2 + teacher_term) / 2, rel=1e-6)
+
+
+def test_the_training_step_learns_the_teachers_labels_with_the_distillation_head():
+    torch.manual_seed(0)
+    module = ViTClassifier(model={**TINY, "distillation": True}, label_smoothing=0.1)
+    x, y = torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 3])
+    teacher_logits = torch.randn(4, 10)
+    module.teacher = lambda images: teacher_logits  # what on_fit_start loads from the file
+    loss = module.training_step((x, y), 0)
+    heads = module.net.forward_heads(module.net.forward_features(x))
+    assert loss.item() == hard_distillation_loss(*heads, y, teacher_logits, 0.1).item()
+    module.teacher = None  # without a teacher: cross-entropy of the averaged prediction
+    plain = torch.nn.functional.cross_entropy(module.net(x), y, label_smoothing=0.1)
+    assert module.training_step((x, y), 0).item() == pytest.approx(plain.item(), rel=1e-6)
+
+
+def _train(out: Path, *overrides: str) -> dict:
+    base = ["data=synthetic", "trainer=cpu", "trainer.max_epochs=1", *TINY_MODEL]
+    base += ["speed.path=reference", "trainer.precision=32-true"]
+    return train(compose_config("train", [*base, *overrides], out))
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory):
+    """(teacher checkpoint, student checkpoint, student metrics): a tiny ViT teaches a tiny
+    distilled ViT on synthetic data."""
+    out = tmp_path_factory.mktemp("distillation")
+    teacher = Path(_train(out / "teacher")["best_ckpt"])
+    metrics = _train(
+        out / "student", "model.distillation=true", f"module.teacher_ckpt={teacher}", "seed=2"
+    )
+    return teacher, Path(metrics["best_ckpt"]), metrics
+
+
+def test_a_student_trains_from_its_teacher_and_keeps_only_its_own_weights(distilled):
+    teacher, student, metrics = distilled
+    ckpt = read_checkpoint(student)
+    assert ckpt["hyper_parameters"]["model"]["distillation"] is True
+    assert ckpt["hyper_parameters"]["teacher_ckpt"] == str(teacher)
+    keys = ckpt["state_dict"].keys()
+    assert {"net.dist_token", "net.head_dist.weight"} <= keys
+    assert not [k for k in keys if "teacher" in k]
+    assert metrics["speed_path"] == "reference" and 0 <= metrics["test/acc"] <= 1
+
+
+@pytest.mark.parametrize("analysis", [None, "heads", "faithfulness", "roles", "prune"])
+def test_every_analysis_runs_on_a_distilled_checkpoint(distilled, tmp_path, analysis):
+    _, student, metrics = distilled
+    overrides = [f"ckpt_path={student}", "trainer=cpu", "faithfulness.num_images=16"]
+    overrides += [f"analysis={analysis}"] if analysis else []
+    result = evaluate(compose_config("eval", overrides, tmp_path))
+    # The checkpoint's own figure, without the teacher (it is needed for training only).
+    assert result["test/acc"] == metrics["test/acc"]
+    similarity = result["cls_dist_cosine_by_layer"]  # the input, then each of 2 blocks
+    assert len(similarity) == 3 and all(-1 <= s <= 1 for s in similarity)
+    assert (tmp_path / "metrics.json").is_file()
+
+
+def test_predict_export_and_explorer_take_the_distillation_token(distilled, tmp_path):
+    from PIL import Image, ImageDraw
+
+    from vit_mnist.explorer import Explorer
+    from vit_mnist.export import export
+    from vit_mnist.predict import load_model, predict_images
+
+    _, student, _ = distilled
+    module, _ = load_model(student)
+    image = tmp_path / "digit.png"
+    picture = Image.new("L", (56, 56), 255)  # a dark stroke on white paper, as a photo
+    ImageDraw.Draw(picture).line([(28, 8), (28, 48)], fill=0, width=5)
+    picture.save(image)
+    (result,) = predict_images(module, [image], tmp_path / "pred")
+    assert len(result.top) == 3 and result.picture.is_file()
+    export(compose_config("export", [f"ckpt_path={student}", "format=torchscript"], tmp_path))
+    explorer = Explorer(model=module.net)
+    # The query token 1 is the distillation token; the patches start at token 2.
+    assert explorer.token_at(0, 0) == 2
+    view = explorer.view(torch.zeros(1, 1, 28, 28), token=1)
+    assert view is not None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["model.distillation=true"], ["model.distillation=true needs a teacher"]),
+        (["module.teacher_ckpt=TEACHER"], ["add model.distillation=true"]),
+        (
+            ["model.distillation=true", "module.teacher_ckpt=TEACHER", "model.num_classes=5"],
+            ["num_classes=10", "model.num_classes=5"],
+        ),
+        (["model.distillation=true", "module.teacher_ckpt=/no/such.ckpt"], ["/no/such.ckpt"]),
+    ],
+)
+def test_distillation_settings_are_checked_before_any_work(
+    distilled, make_train_cfg, overrides, words, tmp_path
+):
+    teacher, _, _ = distilled
+    overrides = [o.replace("TEACHER", str(teacher)) for o in overrides]
+    with pytest.raises((ConfigError, CheckpointError)) as error:
+        train(make_train_cfg(*overrides))
+    assert all(w in str(error.value) for w in words), str(error.value)
+    assert not (tmp_path / "train" / "checkpoints").exists()
+
+
+def test_the_tokens_similarity_is_their_cosine_at_the_input_and_after_each_block():
+    torch.manual_seed(0)
+    net = VisionTransformer(**TINY, distillation=True)
+    with torch.no_grad():  # two equal tokens, and no position embedding to tell them apart
+        net.dist_token.copy_(net.cls_token)
+        net.pos_embed.zero_()
+    assert cls_dist_similarity(net, torch.randn(5, 1, 28, 28)) == pytest.approx([1.0] * 3)
+    with torch.no_grad():
+        net.dist_token.copy_(-net.cls_token)
+    assert cls_dist_similarity(net, torch.randn(5, 1, 28, 28))[0] == pytest.approx(-1.0)
+    with pytest.raises(ValueError, match="no distillation token"):
+        cls_dist_similarity(VisionTransformer(**TINY), torch.randn(1, 1, 28, 28))
+
+
+def test_the_attention_panel_shows_the_distillation_tokens_rows_under_the_cls_tokens(distilled):
+    from tests.test_attention_maps import tile_rows
+    from vit_mnist.analysis.attention import attention_report
+    from vit_mnist.predict import load_model
+
+    module, _ = load_model(distilled[1])
+    torch.manual_seed(0)
+    report = attention_report(module.net, torch.randn(2, 1, 28, 28), relevance=False)
+    heads = 2
+    for picture in report.layer_grids:
+        rows = tile_rows(picture, cols=2, rows=2 * heads)  # CLS heads, then dist. heads
+        assert picture.shape[1] >= 86 * 2 * heads
+        assert not torch.equal(rows[0], rows[heads])
