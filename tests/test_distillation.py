@@ -1,4 +1,5 @@
-"""DeiT's distillation token (model.distillation=true, module.teacher_ckpt=PATH)."""
+"""DeiT's distillation token (model.distillation=true, module.teacher_ckpt=PATH) and the
+convnet teacher (model=cnn, experiment=cnn_teacher)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ def test_hard_distillation_loss_is_the_hand_computation():
     assert loss.item() == pytest.approx((sum(smoothed) / 2 + teacher_term) / 2, rel=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log")  # no Trainer: a bare step
 def test_the_training_step_learns_the_teachers_labels_with_the_distillation_head():
     torch.manual_seed(0)
     module = ViTClassifier(model={**TINY, "distillation": True}, label_smoothing=0.1)
@@ -89,17 +91,18 @@ def test_the_training_step_learns_the_teachers_labels_with_the_distillation_head
 
 
 def _train(out: Path, *overrides: str) -> dict:
-    base = ["data=synthetic", "trainer=cpu", "trainer.max_epochs=1", *TINY_MODEL]
+    base = ["data=synthetic", "trainer=cpu", "trainer.max_epochs=1", "seed=1"]
     base += ["speed.path=reference", "trainer.precision=32-true"]
-    return train(compose_config("train", [*base, *overrides], out))
+    model = [] if "model=cnn" in overrides else TINY_MODEL
+    return train(compose_config("train", [*base, *model, *overrides], out))
 
 
 @pytest.fixture(scope="module")
 def distilled(tmp_path_factory):
-    """(teacher checkpoint, student checkpoint, student metrics): a tiny ViT teaches a tiny
+    """(teacher checkpoint, student checkpoint, student metrics): the convnet teaches a tiny
     distilled ViT on synthetic data."""
     out = tmp_path_factory.mktemp("distillation")
-    teacher = Path(_train(out / "teacher")["best_ckpt"])
+    teacher = Path(_train(out / "teacher", "model=cnn")["best_ckpt"])
     metrics = _train(
         out / "student", "model.distillation=true", f"module.teacher_ckpt={teacher}", "seed=2"
     )
@@ -203,3 +206,45 @@ def test_the_attention_panel_shows_the_distillation_tokens_rows_under_the_cls_to
         rows = tile_rows(picture, cols=2, rows=2 * heads)  # CLS heads, then dist. heads
         assert picture.shape[1] >= 86 * 2 * heads
         assert not torch.equal(rows[0], rows[heads])
+
+
+def test_the_convnet_teacher_trains_evaluates_and_predicts_like_any_checkpoint(distilled, tmp_path):
+    from PIL import Image, ImageDraw
+
+    from vit_mnist.predict import load_model, predict_images
+
+    teacher, _, _ = distilled
+    assert read_checkpoint(teacher)["hyper_parameters"]["model"]["arch"] == "cnn"
+    metrics = evaluate(compose_config("eval", [f"ckpt_path={teacher}", "trainer=cpu"], tmp_path))
+    assert 0 <= metrics["test/acc"] <= 1 and (tmp_path / "per_class.csv").is_file()
+    assert metrics["misclassified_relevance_columns"] == 0  # no attention to explain
+    module, _ = load_model(teacher)
+    image = tmp_path / "digit.png"
+    picture = Image.new("L", (56, 56), 255)
+    ImageDraw.Draw(picture).line([(28, 8), (28, 48)], fill=0, width=5)
+    picture.save(image)
+    (result,) = predict_images(module, [image], tmp_path / "pred")
+    assert len(result.top) == 3 and result.picture is None
+    assert (tmp_path / "pred" / "digit_28x28.png").is_file()
+
+
+def test_what_studies_attention_refuses_the_convnet_in_one_line(distilled, tmp_path):
+    from vit_mnist.explorer import load_explorer
+
+    teacher, _, _ = distilled
+    cfg = compose_config("eval", [f"ckpt_path={teacher}", "analysis=heads"], tmp_path / "e")
+    with pytest.raises(ConfigError, match="is a convnet .model=cnn.: leave analysis out"):
+        evaluate(cfg)
+    with pytest.raises(ConfigError, match="is a convnet .model=cnn.: the explorer"):
+        load_explorer(compose_config("explore", [f"ckpt_path={teacher}"], tmp_path / "x"))
+
+
+def test_the_convnet_runs_on_the_reference_path_alone():
+    from vit_mnist.models import ConvNet
+    from vit_mnist.speed.choose import candidates
+
+    pairs, skipped = candidates(torch.device("cpu"), "auto", "32-true", True, ConvNet())
+    assert pairs == [("reference", "32-true")]
+    assert all("convnet" in why for name, why in skipped.items() if name != "compile")
+    with pytest.raises(ConfigError, match="convnet"):
+        candidates(torch.device("cpu"), "handwritten", "32-true", False, ConvNet())

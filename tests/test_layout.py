@@ -30,6 +30,8 @@ LAYERS: list[tuple[str, list[str]]] = [
         "parts",
         [
             "vit_mnist.module",
+            "vit_mnist.schedule",
+            "vit_mnist.distillation",
             "vit_mnist.callbacks",
             "vit_mnist.analysis",
             "vit_mnist.checkpointing",

@@ -99,6 +99,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     ckpt_path = resolve_ckpt_path(cfg)
     ckpt = read_checkpoint(ckpt_path)
     run_info = ckpt.get(RUN_INFO_KEY, {})
+    convnet = ckpt["hyper_parameters"]["model"].get("arch") == "cnn"  # no attention to study
+    if convnet and cfg.get("analysis"):
+        raise ConfigError(
+            f"analysis={cfg.analysis} studies attention heads; {ckpt_path} is a convnet "
+            "(model=cnn): leave analysis out"
+        )
     L.seed_everything(cfg.seed, workers=True)
     out = Path(cfg.paths.output_dir)
 
@@ -145,8 +151,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     cm_figure = confusion_matrix_figure(cm, class_names, f"{dataset} {split} set, {ckpt_path.name}")
     grid, num_tiles = misclassified_grid(images, logits, labels, class_names)
     save_png(grid, out / "misclassified.png")
-    relevance_grid, relevance_columns = misclassified_relevance_grid(
-        module.net, images, logits, labels, class_names
+    relevance_grid, relevance_columns = (
+        (None, 0)
+        if convnet
+        else misclassified_relevance_grid(module.net, images, logits, labels, class_names)
     )
     if relevance_grid is not None:
         save_png(relevance_grid, out / "misclassified_relevance.png")
@@ -182,7 +190,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "dataset": dataset,
         "data_source": getattr(datamodule, "source", None),
     }
-    if module.net.dist_token is not None:
+    if getattr(module.net, "dist_token", None) is not None:
         # DeiT (section 4): the two tokens' cosine similarity, at the input and per block.
         metrics["cls_dist_cosine_by_layer"] = cls_dist_similarity(module.net, images[:1000])
     acc, loss = results[f"{split}/acc"], results[f"{split}/loss"]

@@ -345,11 +345,13 @@ def load_explorer(cfg: DictConfig) -> Explorer:
 
     Raises:
         CheckpointError: no or an unreadable checkpoint.
-        ConfigError: ``heads_csv`` given but unreadable.
+        ConfigError: ``heads_csv`` given but unreadable, or a convnet's checkpoint.
     """
     path = resolve_ckpt_path(cfg)
     module, data = load_model(path)
     ckpt = read_checkpoint(path)
+    if not hasattr(module.net, "forward_with_attention"):
+        raise ConfigError(f"{path} is a convnet (model=cnn): the explorer shows attention heads")
     explorer = Explorer(
         model=module.net.eval(),
         mean=float(data.get("mean", 0.1307)),

@@ -14,7 +14,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vit_mnist.distillation import hard_distillation_loss
 from vit_mnist.errors import NonFiniteLossError
-from vit_mnist.models.vit import VisionTransformer
+from vit_mnist.models import build_model
 from vit_mnist.schedule import warmup_cosine
 from vit_mnist.settings import ModuleSettings, check_arguments
 
@@ -29,9 +29,9 @@ class ViTClassifier(L.LightningModule):
     without the Hydra config.
 
     Args:
-        model: keyword arguments of ``VisionTransformer`` (``patch_size``, ``embed_dim``,
-            ``depth``, ``num_heads``, ``mlp_ratio``, ...). A ``compile`` key, which
-            checkpoints of earlier versions carry, is ignored: the speed layer chooses.
+        model: the network's arguments (:func:`~vit_mnist.models.build_model`): a
+            ``VisionTransformer``'s (``patch_size``, ``embed_dim``, ``depth``, ...), or with
+            ``arch="cnn"`` the convnet teacher's (``img_size``, ``in_chans``, ``num_classes``).
         lr: peak learning rate of AdamW.
         weight_decay: AdamW's decoupled weight decay, applied to weight matrices only
             (not to biases, norms, ``cls_token`` or ``pos_embed``).
@@ -79,7 +79,7 @@ class ViTClassifier(L.LightningModule):
             prefix="module.",
         )
         self.save_hyperparameters()
-        self.net = VisionTransformer(**{k: v for k, v in model.items() if k != "compile"})
+        self.net = build_model(model)
         # The speed path's forward of self.net (vit_mnist.speed.choose.prepare_speed): a
         # plain callable, not a module, so checkpoints hold net.* alone.
         self.step_forward: Callable[[torch.Tensor], torch.Tensor] = self.net.__call__

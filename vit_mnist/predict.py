@@ -531,8 +531,14 @@ def _draw(
         results: the P predictions, ``top`` filled.
         stems: the P file-name stems.
 
-    The maps of all P images are computed and coloured together.
+    The maps of all P images are computed and coloured together. A model without attention
+    (the convnet teacher) gets the input picture alone.
     """
+    inputs = (grey(x) * 255).round().to(torch.uint8)  # (P, 3, 28, 28)
+    if not hasattr(model, "forward_with_attention"):
+        for i, stem in enumerate(stems):
+            save_png(inputs[i], out_dir / f"{stem}_28x28.png")
+        return
     _, weights = model.forward_with_attention((x - mean) / std)
     weights = [w.float().cpu() for w in weights]
     relevance, _ = class_relevance(model, (x - mean) / std, classes)  # (P, g, g)
@@ -549,7 +555,6 @@ def _draw(
         ],
         dim=1,
     )  # (P, heads + 3, 3, 28, 28)
-    inputs = (grey(x) * 255).round().to(torch.uint8)  # (P, 3, 28, 28)
     col_labels = ["input", *(f"head {h}" for h in range(heads)), "rollout"]
     for i, (result, stem) in enumerate(zip(results, stems, strict=True)):
         best, confidence = result.top[0]

@@ -139,10 +139,14 @@ def _rate(key: str) -> Any:
 
 @dataclass
 class ModelSettings:
-    """``VisionTransformer``'s arguments (vit_mnist/models/vit.py). Its constructor checks
-    them here (:func:`check_arguments`); ``patch_size`` dividing ``img_size`` and
-    ``num_heads`` dividing ``embed_dim`` are combinations (vit_mnist/models/checks.py)."""
+    """``VisionTransformer``'s arguments (vit_mnist/models/vit.py), or with ``arch=cnn`` the
+    convnet teacher's (vit_mnist/models/cnn.py). Their constructors check them here
+    (:func:`check_arguments`); ``patch_size`` dividing ``img_size`` and ``num_heads``
+    dividing ``embed_dim`` are combinations (vit_mnist/models/checks.py)."""
 
+    # The network: the Vision Transformer, or the convnet teacher of a distillation
+    # (vit_mnist/models/cnn.py, which takes img_size, in_chans and num_classes only).
+    arch: str = _setting(choices=["vit", "cnn"], example="model=cnn")
     img_size: int = _setting(ge=1, example="model.img_size=28")
     in_chans: int = _setting(ge=1, example="model.in_chans=1")
     num_classes: int = _setting(ge=2, example="model.num_classes=10")

@@ -23,7 +23,7 @@ from vit_mnist.data.augment import BatchAugment
 from vit_mnist.data.sources import MNIST_MD5, raw_folder
 from vit_mnist.errors import ConfigError, exit_on_user_error
 from vit_mnist.io import write_metrics
-from vit_mnist.models.vit import check_vit_args
+from vit_mnist.models import check_model_args
 from vit_mnist.module import ViTClassifier
 from vit_mnist.settings import PRECISIONS, TrainSettings, check_settings, import_target
 from vit_mnist.speed.choose import Choice, check_speed_path, prepare_speed
@@ -112,7 +112,7 @@ def check_config(cfg: DictConfig) -> None:
     # metrics.json recorded 1.5); what follows checks values against each other.
     check_settings(cfg, TrainSettings)
     model = _resolved(cfg.model)
-    check_vit_args(**model)
+    check_model_args(model)
     check_speed_path((cfg.get("speed") or {}).get("path", "auto"))
     data = cfg.data
     if data.get("augment"):

@@ -58,7 +58,8 @@ class AttentionMapLogger(L.Callback):
     TensorBoard tags (L = layer, H = head, both from 0):
 
     - ``attention/layer_L``: image; heads as rows, panel images as columns, the CLS
-      token's attention over the patches overlaid on each digit; labels ``true>predicted``.
+      token's attention over the patches overlaid on each digit (then, in a distilled
+      model, the distillation token's, rows ``dist. head H``); labels ``true>predicted``.
     - ``attention_matrix/layer_L/head_H``: image; the token-by-token attention matrix
       (row = query, column = key, token 0 = CLS) of the first panel image.
     - ``rollout``: image; two rows, attention rollout and the class relevance of the
@@ -66,6 +67,8 @@ class AttentionMapLogger(L.Callback):
     - ``attention_entropy/layer_L/head_H``: scalar, nats, averaged over query tokens and
       panel images.
     - ``attention_distance/layer_L/head_H``: scalar, mean attention distance in pixels.
+
+    A model without attention (``model=cnn``, the convnet teacher) logs none of these.
 
     Args:
         num_images: panel size.
@@ -108,7 +111,9 @@ class AttentionMapLogger(L.Callback):
             (lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None
         )
         step = trainer.global_step
-        if writer is None or step == self._last_logged_step:
+        net = getattr(pl_module, "net", pl_module)
+        no_attention = not hasattr(net, "forward_with_attention")  # the convnet teacher
+        if writer is None or step == self._last_logged_step or no_attention:
             return
         if self._panel is None:
             self._panel = self._select_panel(trainer)
@@ -118,7 +123,7 @@ class AttentionMapLogger(L.Callback):
         # (trainer.validate under inference mode); the panel may have been stacked in there.
         with torch.inference_mode(False):
             report = attention_report(
-                getattr(pl_module, "net", pl_module),
+                net,
                 images.clone(),
                 labels,
                 class_names=getattr(datamodule, "class_names", None),

@@ -1,6 +1,50 @@
-"""The attention and the Vision Transformer, as plain ``nn.Module`` s."""
+"""The attention, the Vision Transformer and the convnet teacher, as plain ``nn.Module`` s."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
 
 from vit_mnist.models.attention import MultiHeadSelfAttention
+from vit_mnist.models.checks import check_vit_args
+from vit_mnist.models.cnn import ConvNet, check_cnn_args
 from vit_mnist.models.vit import EncoderBlock, PatchEmbedding, VisionTransformer
 
-__all__ = ["EncoderBlock", "MultiHeadSelfAttention", "PatchEmbedding", "VisionTransformer"]
+__all__ = [
+    "ConvNet",
+    "EncoderBlock",
+    "MultiHeadSelfAttention",
+    "PatchEmbedding",
+    "VisionTransformer",
+    "build_model",
+    "check_model_args",
+]
+
+
+def _split(model: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    # No arch: a checkpoint of an earlier version, a ViT. A "compile" key, which such
+    # checkpoints may carry, is the speed layer's (speed.path=compile) and ignored here.
+    args = {k: v for k, v in model.items() if k not in ("arch", "compile")}
+    return model.get("arch", "vit"), args
+
+
+def check_model_args(model: dict[str, Any]) -> None:
+    """Check a ``model`` config (or a checkpoint's model arguments) without building it.
+
+    Raises:
+        ConfigError: see :func:`check_vit_args` and :func:`check_cnn_args`.
+    """
+    arch, args = _split(model)
+    (check_cnn_args if arch == "cnn" else check_vit_args)(**args)
+
+
+def build_model(model: dict[str, Any]) -> nn.Module:
+    """The network a ``model`` config describes: ``arch`` ``vit`` (the default) a
+    :class:`VisionTransformer`, ``cnn`` a :class:`ConvNet`.
+
+    Raises:
+        ConfigError: see :func:`check_model_args`.
+    """
+    arch, args = _split(model)
+    return (ConvNet if arch == "cnn" else VisionTransformer)(**args)

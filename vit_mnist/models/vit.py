@@ -182,6 +182,7 @@ class VisionTransformer(nn.Module):
         super().__init__()
         arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         check_vit_args(**arguments)  # every constructor argument, by name
+        self.img_size, self.in_chans = img_size, in_chans
         self.num_heads = num_heads
         self.depth = depth
         heads = [num_heads] * depth if isinstance(num_heads, int) else list(num_heads)

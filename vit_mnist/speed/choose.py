@@ -218,8 +218,7 @@ def time_candidates(
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     model = copy.deepcopy(net).to(device).train()
-    embed = model.patch_embed
-    shape = (batch_size, embed.proj.in_channels, embed.img_size, embed.img_size)
+    shape = (batch_size, model.in_chans, model.img_size, model.img_size)
     images = torch.randn(shape, device=device)
     labels = torch.randint(0, model.head.out_features, (batch_size,), device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type in ("cpu", "cuda"))

@@ -61,10 +61,13 @@ def _always(device: torch.device) -> None:
     return None
 
 
-def _cls_token_only(net: VisionTransformer) -> str | None:
-    """Why a path with a last block for the CLS token alone cannot run ``net``: DeiT's
-    distillation token needs its own row and head there too."""
-    if net.num_prefix_tokens > 1:
+def _cls_token_only(net: nn.Module) -> str | None:
+    """Why a path for a ViT with a last block for the CLS token alone cannot run ``net``:
+    DeiT's distillation token needs its own row and head there too; a convnet has none."""
+    prefix = getattr(net, "num_prefix_tokens", None)
+    if prefix is None:
+        return "a convnet (model=cnn) runs on the reference path"
+    if prefix > 1:
         return "the distillation token (model.distillation=true) runs on the reference path"
     return None
 
