@@ -94,6 +94,27 @@ def test_eager_paths_agree_under_bf16_autocast(name):
     _assert_same(name, causal=False, patch_size=7, bf16=True)
 
 
+@pytest.mark.parametrize("name", EAGER)
+def test_eager_paths_give_a_distilled_vits_two_heads_and_their_gradients(name):
+    """DeiT's distillation token: its row is kept through the last block like the CLS
+    token's, and ``heads=True`` gives both heads' logits, as the distillation loss needs."""
+    _skip_unavailable(name)
+    torch.manual_seed(0)
+    net = VisionTransformer(patch_size=7, distillation=True, **TINY)
+    x = torch.randn(3, 1, 28, 28)
+
+    def both(forward):
+        return lambda images: torch.cat(forward(images, heads=True), dim=-1)
+
+    ref, ref_grads = _grads(net, both(PATHS["reference"].build(net)), x)
+    out, grads = _grads(net, both(PATHS[name].build(net)), x)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    for key in ref_grads:  # the distillation token and head included
+        torch.testing.assert_close(grads[key], ref_grads[key], atol=1e-5, rtol=1e-4, msg=key)
+    with torch.no_grad():  # one output: the two heads' softmax averaged, as net(x)
+        torch.testing.assert_close(PATHS[name].build(net)(x), net(x), atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", COMPILED)
 def test_compiled_paths_give_the_reference_values_and_gradients(name):
@@ -261,19 +282,20 @@ def test_isa_class_follows_aten_cpu_capability():
     assert out.startswith("default False needs AVX2 or AVX-512"), out
 
 
+@pytest.mark.parametrize("queries", [1, 2])  # the CLS token; and a distillation token
 @pytest.mark.parametrize("qkv_bias", [True, False])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("core", [explicit_core, sdpa_core, handwritten_backward_core])
-def test_cls_only_attention_is_the_first_row_of_the_reference(core, causal, qkv_bias):
+def test_cls_only_attention_is_the_first_rows_of_the_reference(core, causal, qkv_bias, queries):
     torch.manual_seed(0)
     attn = MultiHeadSelfAttention(embed_dim=24, num_heads=3, causal=causal, qkv_bias=qkv_bias)
     x = torch.randn(2, 7, 24, requires_grad=True)
-    full, cls = attn(x)[:, :1], attention_forward(attn, x, core, cls_only=True)
-    assert cls.shape == (2, 1, 24)
-    assert_same_values_and_gradients(cls, full, [x, attn.qkv.weight], atol=1e-6, rtol=1e-5)
-    if causal:  # the CLS token then sees only itself: the other tokens cannot move it
-        (grad_x,) = torch.autograd.grad(attention_forward(attn, x, core, True).sum(), [x])
-        assert grad_x[:, 1:].abs().max() == 0
+    full, first = attn(x)[:, :queries], attention_forward(attn, x, core, queries)
+    assert first.shape == (2, queries, 24)
+    assert_same_values_and_gradients(first, full, [x, attn.qkv.weight], atol=1e-6, rtol=1e-5)
+    if causal:  # the first tokens then see only themselves: the later ones cannot move them
+        (grad_x,) = torch.autograd.grad(attention_forward(attn, x, core, queries).sum(), [x])
+        assert grad_x[:, queries:].abs().max() == 0
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -15,8 +15,10 @@ from torchmetrics.classification import MulticlassAccuracy
 from vit_mnist.distillation import hard_distillation_loss
 from vit_mnist.errors import NonFiniteLossError
 from vit_mnist.models import build_model
+from vit_mnist.models.vit import average_heads
 from vit_mnist.schedule import warmup_cosine
 from vit_mnist.settings import ModuleSettings, check_arguments
+from vit_mnist.speed.paths import PATHS
 
 RUN_INFO_KEY = "vit_mnist"
 
@@ -82,7 +84,7 @@ class ViTClassifier(L.LightningModule):
         self.net = build_model(model)
         # The speed path's forward of self.net (vit_mnist.speed.choose.prepare_speed): a
         # plain callable, not a module, so checkpoints hold net.* alone.
-        self.step_forward: Callable[[torch.Tensor], torch.Tensor] = self.net.__call__
+        self.step_forward: Callable[..., Any] = PATHS["reference"].build(self.net)
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         # Loaded when fitting starts; outside the module tree, so not in the checkpoints.
         self.teacher: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -123,13 +125,11 @@ class ViTClassifier(L.LightningModule):
         if self.teacher is None:
             logits = self.step_forward(x)
             loss = self.criterion(logits, y)
-        else:  # both heads of the reference model, and the teacher's view of the same batch
-            tokens = self.net.forward_features(x)
-            with torch.no_grad():
-                teacher_logits = self.teacher(x)
-            heads = self.net.forward_heads(tokens)
+        else:  # both heads, on the speed path; the frozen teacher records no graph
+            heads = self.step_forward(x, heads=True)
+            teacher_logits = self.teacher(x)
             loss = hard_distillation_loss(*heads, y, teacher_logits, self.hparams.label_smoothing)
-            logits = self.net.forward_head(tokens)
+            logits = average_heads(*heads)
         if not torch.isfinite(loss):
             lr = self.trainer.optimizers[0].param_groups[0]["lr"] if self.trainer else float("nan")
             raise NonFiniteLossError(

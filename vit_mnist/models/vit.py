@@ -120,6 +120,12 @@ class EncoderBlock(nn.Module):
         return (x, weights) if need_weights else x
 
 
+def average_heads(cls_logits: torch.Tensor, dist_logits: torch.Tensor) -> torch.Tensor:
+    """DeiT's prediction (section 4): the log of the CLS and distillation heads' softmax
+    averaged, float32 (B, num_classes), from their logits (B, num_classes) each."""
+    return ((cls_logits.float().softmax(-1) + dist_logits.float().softmax(-1)) / 2).log()
+
+
 class VisionTransformer(nn.Module):
     """ViT classifier for small single-channel images such as MNIST.
 
@@ -230,14 +236,18 @@ class VisionTransformer(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
-    def _embed(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(x)  # (B, N, D)
+    def prefix_tokens(self, batch: int) -> list[torch.Tensor]:
+        """The CLS token (and the distillation token), each (batch, 1, D), as views."""
         # expand, not einops.repeat: einops keys its backends by exact type, so a Parameter
         # argument registered a second backend in the middle of torch.compile's first trace,
         # and every process compiled the model one more time (about 2.4 s each).
-        prefix = [self.cls_token] if self.dist_token is None else [self.cls_token, self.dist_token]
-        prefix = [t.expand(x.shape[0], -1, -1) for t in prefix]  # (B, 1, D) each, views
-        return self.pos_drop(torch.cat([*prefix, x], dim=1) + self.pos_embed)  # (B, T, D)
+        tokens = [self.cls_token] if self.dist_token is None else [self.cls_token, self.dist_token]
+        return [t.expand(batch, -1, -1) for t in tokens]
+
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x)  # (B, N, D)
+        tokens = torch.cat([*self.prefix_tokens(x.shape[0]), x], dim=1)
+        return self.pos_drop(tokens + self.pos_embed)  # (B, T, D)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normalised tokens (B, num_tokens, embed_dim)."""
@@ -259,9 +269,7 @@ class VisionTransformer(nn.Module):
         float32. Its softmax is that average, so the cross-entropy, the accuracy and a
         test-time average of softmaxes treat it as any logits."""
         cls, dist = self.forward_heads(x)
-        if dist is None:
-            return cls
-        return ((cls.float().softmax(-1) + dist.float().softmax(-1)) / 2).log()
+        return cls if dist is None else average_heads(cls, dist)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> logits (B, num_classes)."""

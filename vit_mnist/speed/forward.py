@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -197,39 +198,41 @@ def written_backward_applies(
 
 
 def cls_query_and_keys(
-    attn: MultiHeadSelfAttention, x: torch.Tensor
+    attn: MultiHeadSelfAttention, x: torch.Tensor, queries: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CLS token's query (B, 1, h*d_k) and every token's keys and values
-    (B, T, 2*h*d_k), from the rows of ``attn.qkv`` that make them: the other tokens'
-    queries are never computed. (h * d_k is D except in a model with pruned heads.)"""
+    """The first ``queries`` tokens' queries (B, queries, h*d_k): the CLS token's (and a
+    distillation token's), and every token's keys and values (B, T, 2*h*d_k), from the rows
+    of ``attn.qkv`` that make them: the other tokens' queries are never computed. (h * d_k
+    is D except in a model with pruned heads.)"""
     d = attn.num_heads * attn.head_dim
     weight, bias = attn.qkv.weight, attn.qkv.bias
-    q = F.linear(x[:, :1], weight[:d], None if bias is None else bias[:d])
+    q = F.linear(x[:, :queries], weight[:d], None if bias is None else bias[:d])
     kv = F.linear(x, weight[d:], None if bias is None else bias[d:])
     return q, kv
 
 
 def attention_forward(
-    attn: MultiHeadSelfAttention, x: torch.Tensor, core: AttentionCore, cls_only: bool = False
+    attn: MultiHeadSelfAttention, x: torch.Tensor, core: AttentionCore, queries: int = 0
 ) -> torch.Tensor:
-    """``attn(x)`` with ``core`` for the softmax step; with ``cls_only`` the output for the
-    CLS token (token 0) alone: every token's keys and values, the CLS token's query only.
+    """``attn(x)`` with ``core`` for the softmax step; with ``queries`` > 0 the output for
+    the first ``queries`` tokens alone (the CLS token, and a distillation token): every
+    token's keys and values, their queries only.
 
-    Shapes: x (B, T, D) -> (B, T, D), or (B, 1, D) with ``cls_only``.
+    Shapes: x (B, T, D) -> (B, T, D), or (B, queries, D).
     """
-    if cls_only:
-        q_src, kv_src = cls_query_and_keys(attn, x)
+    if queries:
+        q_src, kv_src = cls_query_and_keys(attn, x, queries)
     else:
         q_src, kv_src = attn.qkv(x), None
     return attn.proj_dropout(attn.proj(core(attn, q_src, kv_src)))
 
 
 def block_forward(
-    block: EncoderBlock, x: torch.Tensor, core: AttentionCore, cls_only: bool = False
+    block: EncoderBlock, x: torch.Tensor, core: AttentionCore, queries: int = 0
 ) -> torch.Tensor:
-    """``block(x)`` (ViT eq. 2-3) with ``core``; with ``cls_only`` the CLS row alone."""
-    attn_out = attention_forward(block.attn, block.norm1(x), core, cls_only)
-    x = _residual(x[:, :1] if cls_only else x, block.drop_path(attn_out))
+    """``block(x)`` (ViT eq. 2-3) with ``core``; with ``queries`` > 0 the first rows alone."""
+    attn_out = attention_forward(block.attn, block.norm1(x), core, queries)
+    x = _residual(x[:, :queries] if queries else x, block.drop_path(attn_out))
     return _residual(x, block.drop_path(block.mlp(block.norm2(x))))
 
 
@@ -246,7 +249,7 @@ def embed_forward(net: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
     """``net._embed(x)``, ViT eq. 1 as written: each patch flattened, times E, where E is
     the patch embedding's conv weight (D, C, p, p) seen as a (D, C*p*p) matrix.
 
-    Shapes: images (B, C, img_size, img_size) -> tokens (B, 1 + num_patches, D), CLS first.
+    Shapes: images (B, C, img_size, img_size) -> tokens (B, num_tokens, D), CLS first.
 
     Raises:
         ValueError: images of another size than the model's ``img_size``.
@@ -257,17 +260,21 @@ def embed_forward(net: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
     p = embed.patch_size
     patches = rearrange(x, "b c (gh p1) (gw p2) -> b (gh gw) (c p1 p2)", p1=p, p2=p)
     tokens = F.linear(patches, embed.proj.weight.flatten(1), embed.proj.bias)  # (B, N, D)
-    cls = net.cls_token.expand(tokens.shape[0], -1, -1)
-    return net.pos_drop(torch.cat([cls, tokens], dim=1) + net.pos_embed)
+    tokens = torch.cat([*net.prefix_tokens(tokens.shape[0]), tokens], dim=1)
+    return net.pos_drop(tokens + net.pos_embed)
 
 
 def vit_forward(
-    net: VisionTransformer, x: torch.Tensor, core: AttentionCore = explicit_core
-) -> torch.Tensor:
+    net: VisionTransformer,
+    x: torch.Tensor,
+    core: AttentionCore = explicit_core,
+    heads: bool = False,
+) -> Any:
     """``net(x)``: images (B, C, H, W) -> logits (B, num_classes), with ``core`` in every
-    block and the last block for the CLS token only."""
+    block and the last block for the CLS (and distillation) token only; with ``heads`` the
+    pair ``net.forward_heads`` gives (a distillation's loss needs both)."""
     x = embed_forward(net, x)
     for block in net.blocks[:-1]:
         x = block_forward(block, x, core)
-    x = block_forward(net.blocks[-1], x, core, cls_only=True)
-    return net.forward_head(net.norm(x))
+    x = net.norm(block_forward(net.blocks[-1], x, core, queries=net.num_prefix_tokens))
+    return net.forward_heads(x) if heads else net.forward_head(x)

@@ -17,6 +17,8 @@ training, tracing), that step runs on PyTorch's operations, with the same number
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -67,17 +69,22 @@ def _block_deferred(
     return x, block.drop_path(block.mlp(h))
 
 
-def _block_cls(block: EncoderBlock, x: torch.Tensor, branch: torch.Tensor | None) -> torch.Tensor:
-    """``block(x + branch)[:, :1]``: the CLS token's output alone."""
+def _block_cls(
+    block: EncoderBlock, x: torch.Tensor, branch: torch.Tensor | None, queries: int
+) -> torch.Tensor:
+    """``block(x + branch)[:, :queries]``: the CLS (and distillation) token's output alone."""
     x, h = _add_norm(x, branch, block.norm1, for_linear=True)
-    cls = x[:, :1] + block.drop_path(attention_forward(block.attn, h, native_core, cls_only=True))
+    attn_out = attention_forward(block.attn, h, native_core, queries)
+    cls = x[:, :queries] + block.drop_path(attn_out)
     return cls + block.drop_path(block.mlp(block.norm2(cls)))
 
 
-def native_vit_forward(net: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
-    """``net(x)`` on the C++ kernels: images (B, C, H, W) -> logits (B, num_classes)."""
+def native_vit_forward(net: VisionTransformer, x: torch.Tensor, heads: bool = False) -> Any:
+    """``net(x)`` on the C++ kernels: images (B, C, H, W) -> logits (B, num_classes); with
+    ``heads`` the pair ``net.forward_heads`` gives."""
     x = embed_forward(net, x)
     branch = None
     for block in net.blocks[:-1]:
         x, branch = _block_deferred(block, x, branch)
-    return net.forward_head(net.norm(_block_cls(net.blocks[-1], x, branch)))
+    x = net.norm(_block_cls(net.blocks[-1], x, branch, net.num_prefix_tokens))
+    return net.forward_heads(x) if heads else net.forward_head(x)

@@ -1,7 +1,8 @@
 """The named ways of running the reference model's training step.
 
 Each :class:`TrainingPath` turns a :class:`~vit_mnist.models.vit.VisionTransformer` into a
-callable ``images (B, C, H, W) -> logits (B, num_classes)`` that runs the model's own
+callable ``images (B, C, H, W) -> logits (B, num_classes)`` (with ``heads=True``, a
+distilled ViT's two heads' logits, which its loss needs) that runs the model's own
 parameters (nothing is copied, so the optimizer, the checkpoints and the attention maps
 see one model) and gives the reference's values and gradients to float rounding
 (tests/test_speed.py). Which one is fastest depends on the machine: see
@@ -15,6 +16,7 @@ import functools
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,22 +63,28 @@ def _always(device: torch.device) -> None:
     return None
 
 
-def _cls_token_only(net: nn.Module) -> str | None:
-    """Why a path for a ViT with a last block for the CLS token alone cannot run ``net``:
-    DeiT's distillation token needs its own row and head there too; a convnet has none."""
-    prefix = getattr(net, "num_prefix_tokens", None)
-    if prefix is None:
+def _vit_only(net: nn.Module) -> str | None:
+    """Why a path written for the ViT's blocks cannot run ``net``: a convnet has none."""
+    if not isinstance(net, VisionTransformer):
         return "a convnet (model=cnn) runs on the reference path"
-    if prefix > 1:
-        return "the distillation token (model.distillation=true) runs on the reference path"
     return None
+
+
+def _reference(net: nn.Module) -> Forward:
+    """The model as written: ``net(x)``, or with ``heads=True`` (a distilled ViT) the pair
+    of its CLS and distillation heads' logits."""
+
+    def forward(x: torch.Tensor, heads: bool = False) -> Any:
+        return net.forward_heads(net.forward_features(x)) if heads else net(x)
+
+    return forward
 
 
 def _native_unsupported(net: VisionTransformer) -> str | None:
     """Why the C++ attention kernel does not take ``net``: it is built and tested for
     h * d_k == D in every block, which a model with pruned heads breaks; or it cannot be
-    built here (no working compiler, an unwritable cache); or :func:`_cls_token_only`."""
-    if why := _cls_token_only(net):
+    built here (no working compiler, an unwritable cache); or :func:`_vit_only`."""
+    if why := _vit_only(net):
         return why
     for i, block in enumerate(net.blocks):
         attn = block.attn
@@ -87,7 +95,7 @@ def _native_unsupported(net: VisionTransformer) -> str | None:
             )
     # Built now for this model's shape (or found built): a kernel that cannot be built
     # leaves the path out, rather than running it on PyTorch's operations under its name.
-    return native.build_failure(net.patch_embed.num_patches + 1, net.blocks[0].attn.head_dim)
+    return native.build_failure(net.num_tokens, net.blocks[0].attn.head_dim)
 
 
 @contextlib.contextmanager
@@ -116,8 +124,8 @@ class _PathModule(nn.Module):
         object.__setattr__(self, "net", net)
         self.function = function
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.function(self.net, x)
+    def forward(self, x: torch.Tensor, heads: bool = False) -> Any:
+        return self.function(self.net, x, heads=heads)
 
 
 def _compiled(function: Callable[..., torch.Tensor]) -> Callable[[VisionTransformer], Forward]:
@@ -126,15 +134,15 @@ def _compiled(function: Callable[..., torch.Tensor]) -> Callable[[VisionTransfor
         # too); inductor caches the compiled code on disk.
         compiled = torch.compile(_PathModule(net, function), dynamic=True)
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
+        def forward(x: torch.Tensor, heads: bool = False) -> Any:
             # The training step alone is compiled. Without gradients (validation, test)
             # the same function runs eagerly: a graph of its own would cost a first
             # compile of its own (11 to 27 s on 2 cores) for a forward pass that is a
             # few seconds of a whole run (docs/speed.md).
             if not torch.is_grad_enabled():
-                return function(net, x)
+                return function(net, x, heads=heads)
             with compile_settings():
-                return compiled(x)
+                return compiled(x, heads=heads)
 
         return forward
 
@@ -181,8 +189,7 @@ PATHS: dict[str, TrainingPath] = {
         TrainingPath(
             "reference",
             "the model as written (vit_mnist/models), autograd's backward",
-            # The bound call, not the module: a plain attribute of the LightningModule.
-            lambda net: net.__call__,
+            _reference,
             _always,
         ),
         TrainingPath(
@@ -190,14 +197,14 @@ PATHS: dict[str, TrainingPath] = {
             "scaled_dot_product_attention; last block for the CLS token only",
             lambda net: functools.partial(vit_forward, net, core=sdpa_core),
             _always,
-            unsupported=_cls_token_only,
+            unsupported=_vit_only,
         ),
         TrainingPath(
             "handwritten",
             "explicit attention with a hand-written backward; last block for the CLS token only",
             lambda net: functools.partial(vit_forward, net, core=handwritten_backward_core),
             _always,
-            unsupported=_cls_token_only,
+            unsupported=_vit_only,
         ),
         TrainingPath(
             "compile",
@@ -205,7 +212,7 @@ PATHS: dict[str, TrainingPath] = {
             _compiled(vit_forward),
             _compile_unavailable,
             compiles=True,
-            unsupported=_cls_token_only,
+            unsupported=_vit_only,
             eager="handwritten",
         ),
         TrainingPath(
