@@ -44,6 +44,7 @@ from vit_mnist.checkpointing import (
 )
 from vit_mnist.errors import ConfigError, exit_on_user_error
 from vit_mnist.io import save_figure, save_png, write_csv, write_metrics
+from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
 from vit_mnist.settings import EvalSettings, check_settings
 from vit_mnist.speed.hardware import describe_device, resolve_precision, uses_cuda
@@ -99,12 +100,6 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     ckpt_path = resolve_ckpt_path(cfg)
     ckpt = read_checkpoint(ckpt_path)
     run_info = ckpt.get(RUN_INFO_KEY, {})
-    convnet = ckpt["hyper_parameters"]["model"].get("arch") == "cnn"  # no attention to study
-    if convnet and cfg.get("analysis"):
-        raise ConfigError(
-            f"analysis={cfg.analysis} studies attention heads; {ckpt_path} is a convnet "
-            "(model=cnn): leave analysis out"
-        )
     L.seed_everything(cfg.seed, workers=True)
     out = Path(cfg.paths.output_dir)
 
@@ -120,6 +115,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     module = ViTClassifier.load_from_checkpoint(
         ckpt_path, map_location="cpu", weights_only=True, **overrides
     )
+    convnet = not isinstance(module.net, VisionTransformer)  # no attention to study
+    if convnet and cfg.get("analysis"):
+        raise ConfigError(
+            f"analysis={cfg.analysis} studies attention heads; {ckpt_path} is a convnet "
+            "(model=cnn): leave analysis out"
+        )
     # The training precision, unless `precision=` says otherwise: bf16 and fp32 logits can
     # differ in the last bits, and the accuracy should match the training run's.
     on_cuda = uses_cuda(str(cfg.trainer.accelerator))
