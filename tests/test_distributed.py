@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -86,6 +88,50 @@ def test_ddp_on_two_cpu_processes_inside_a_multirun(tmp_path):
     single = evaluate(cfg)
     assert single["test/acc"] == pytest.approx(metrics["test/acc"], abs=1e-7)
     assert single["test/loss"] == pytest.approx(metrics["test/loss"], rel=1e-5)
+
+
+def _pids_running(run_dir: Path) -> list[int]:
+    """The processes whose command line names ``run_dir`` (both DDP processes)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(run_dir) in (proc / "cmdline").read_text():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the processes through /proc")
+def test_sigterm_to_every_ddp_process_stops_them_at_one_batch_and_saves_once(tmp_path):
+    """What SLURM's scancel or a signal to the process group does. Lightning's own SIGTERM
+    handler broadcast inside the handler, and both processes waited on each other for ever
+    with nothing saved; now they agree on the signal after a batch and save together."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), "trainer=ddp", "trainer.accelerator=cpu"]
+        + ["trainer.devices=2", *TINY, "trainer.max_epochs=200", "data.num_train=2048"]
+        + ["speed.path=reference", "trainer.precision=32-true", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "LOCAL_RANK"},
+    )
+    last = run_dir / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 120
+    while not (last.is_file() and len(_pids_running(run_dir)) == 2):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.2)
+    before = read_checkpoint(last)["global_step"]
+    for pid in _pids_running(run_dir):
+        os.kill(pid, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr[-3000:]
+    assert (stdout + stderr).count("Resume with:") == 1
+    assert read_checkpoint(last)["global_step"] > before
+    assert not _pids_running(run_dir)
 
 
 @pytest.mark.slow

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
+from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -27,17 +30,48 @@ class SaveOnInterrupt(L.Callback):
     after restoring a resumed checkpoint): until then the weights are the random initial
     ones, and saving them would replace the progress of the run being resumed with a blank
     ``last.ckpt``. The message then repeats the command as it was given.
+
+    Under DDP, SIGTERM is noted by a handler of this callback's and the processes agree on
+    it after every training batch (one all-reduce of a flag), so that all of them stop at
+    the same batch and save together. Lightning's own handler (lightning 2.6) runs a
+    broadcast inside the signal handler; when the signal arrives during the loop's own
+    broadcast, the two processes wait on each other for ever (a SIGTERM to the first
+    process, or to both, hung a 2-process CPU run with nothing saved).
     """
 
     def __init__(self) -> None:
         self._training_started = False
+        self._sigterm = False
+        self._lightning_handler: Any = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._training_started = True
+        if trainer.world_size > 1:
+            self._sigterm = False
+            self._lightning_handler = signal.signal(signal.SIGTERM, self._note_sigterm)
+
+    def _note_sigterm(self, signum: int, frame: Any) -> None:
+        self._sigterm = True
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        if self._lightning_handler is None:
+            return
+        flag = torch.tensor(float(self._sigterm), device=pl_module.device)
+        if trainer.strategy.reduce(flag, reduce_op="sum").item() > 0:
+            raise SIGTERMException
+
+    def _restore_handler(self) -> None:
+        if self._lightning_handler is not None:
+            signal.signal(signal.SIGTERM, self._lightning_handler)
+            self._lightning_handler = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._restore_handler()
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
+        self._restore_handler()
         if not isinstance(exception, KeyboardInterrupt | SIGTERMException):
             return
         what = "Interrupted (Ctrl-C)" if isinstance(exception, KeyboardInterrupt) else "SIGTERM"
@@ -67,5 +101,7 @@ class SaveOnInterrupt(L.Callback):
             f"{what} at epoch {trainer.current_epoch}, step {trainer.global_step}: saved {path}\n"
             f"Resume with:\n  {resume_command(path)}"
         )
-        # Through logging: the console and the run's log file both get it, once.
-        log.warning(message)
+        # Through logging: the console and the run's log file both get it, once (from the
+        # first process: the others' command lines are Lightning's, not the user's).
+        if trainer.is_global_zero:
+            log.warning(message)
