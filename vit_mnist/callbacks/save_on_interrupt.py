@@ -53,11 +53,16 @@ class SaveOnInterrupt(L.Callback):
     def _note_sigterm(self, signum: int, frame: Any) -> None:
         self._sigterm = True
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+    def _any_sigterm(self, trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
+        """Whether a process has had SIGTERM: a collective, which every process calls at the
+        same point; False outside DDP."""
         if self._lightning_handler is None:
-            return
+            return False
         flag = torch.tensor(float(self._sigterm), device=pl_module.device)
-        if trainer.strategy.reduce(flag, reduce_op="sum").item() > 0:
+        return trainer.strategy.reduce(flag, reduce_op="sum").item() > 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        if self._any_sigterm(trainer, pl_module):
             raise SIGTERMException
 
     def _restore_handler(self) -> None:
@@ -66,7 +71,11 @@ class SaveOnInterrupt(L.Callback):
             self._lightning_handler = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A SIGTERM after the last batch (in the last validation) still stops the run.
+        stop = self._any_sigterm(trainer, pl_module)
         self._restore_handler()
+        if stop:
+            raise SIGTERMException
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
