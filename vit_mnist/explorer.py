@@ -350,7 +350,7 @@ def load_explorer(cfg: DictConfig) -> Explorer:
     path = resolve_ckpt_path(cfg)
     module, data = load_model(path)
     ckpt = read_checkpoint(path)
-    if not hasattr(module.net, "forward_with_attention"):
+    if not isinstance(module.net, VisionTransformer):
         raise ConfigError(f"{path} is a convnet (model=cnn): the explorer shows attention heads")
     explorer = Explorer(
         model=module.net.eval(),

@@ -35,6 +35,7 @@ from vit_mnist.checkpointing import read_checkpoint, resolve_ckpt_path
 from vit_mnist.drawing import grey, labelled_grid, overlay
 from vit_mnist.errors import CheckpointError, ConfigError, exit_on_user_error
 from vit_mnist.io import append_csv_rows, save_png, write_csv
+from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
 from vit_mnist.settings import PredictSettings, check_settings
 
@@ -535,7 +536,7 @@ def _draw(
     (the convnet teacher) gets the input picture alone.
     """
     inputs = (grey(x) * 255).round().to(torch.uint8)  # (P, 3, 28, 28)
-    if not hasattr(model, "forward_with_attention"):
+    if not isinstance(model, VisionTransformer):
         for i, stem in enumerate(stems):
             save_png(inputs[i], out_dir / f"{stem}_28x28.png")
         return

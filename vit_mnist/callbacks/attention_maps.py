@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from vit_mnist.analysis.attention import attention_report
 from vit_mnist.errors import ConfigError
+from vit_mnist.models.vit import VisionTransformer
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class AttentionMapLogger(L.Callback):
         )
         step = trainer.global_step
         net = getattr(pl_module, "net", pl_module)
-        no_attention = not hasattr(net, "forward_with_attention")  # the convnet teacher
+        no_attention = not isinstance(net, VisionTransformer)  # the convnet teacher
         if writer is None or step == self._last_logged_step or no_attention:
             return
         if self._panel is None:
