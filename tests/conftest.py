@@ -79,14 +79,47 @@ def make_train_cfg(tmp_path):
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache(tmp_path_factory):
-    """Speed choices and built kernels go to a fresh folder, not the user's cache."""
+    """Speed choices and built kernels go to a fresh folder, not the user's cache. The
+    built kernels are shared by the run's xdist workers: a build is a compiler process of
+    about 1.5 s per shape class, and each worker built every one it met. A library is
+    written whole under its final name (vit_mnist/speed/native.py), so a worker never
+    loads another's half-written build."""
     old = os.environ.get("VIT_MNIST_CACHE")
-    os.environ["VIT_MNIST_CACHE"] = str(tmp_path_factory.mktemp("vit_mnist_cache"))
+    cache = tmp_path_factory.mktemp("vit_mnist_cache")
+    base = tmp_path_factory.getbasetemp()  # under xdist: one per worker, in the run's folder
+    kernels = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "kernels"
+    kernels.mkdir(exist_ok=True)
+    (cache / "kernels").symlink_to(kernels, target_is_directory=True)
+    os.environ["VIT_MNIST_CACHE"] = str(cache)
     yield
     if old is None:
         del os.environ["VIT_MNIST_CACHE"]
     else:
         os.environ["VIT_MNIST_CACHE"] = old
+
+
+@pytest.fixture
+def one_round_auto(monkeypatch):
+    """``speed.path=auto`` timing each candidate for one round of one step: enough for a
+    test of what is done with the figures; the rounds have tests of their own
+    (tests/test_speed.py)."""
+    import functools
+
+    from vit_mnist.speed import choose
+
+    timing = functools.partial(choose.time_candidates, rounds=1, steps=1, min_round_s=0.0)
+    monkeypatch.setattr(choose, "time_candidates", timing)
+
+
+@pytest.fixture
+def fresh_speed_cache(tmp_path, monkeypatch) -> Path:
+    """A speed cache with no speed choice in it, for a test of ``auto``'s measuring; the
+    kernels built so far stay shared (see _private_cache)."""
+    cache = tmp_path / "speed_cache"
+    cache.mkdir()
+    (cache / "kernels").symlink_to(Path(os.environ["VIT_MNIST_CACHE"]) / "kernels")
+    monkeypatch.setenv("VIT_MNIST_CACHE", str(cache))
+    return cache
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,9 @@
-"""Test-only pieces that configs can name by ``_target_``."""
+"""Test-only pieces: callbacks that configs can name by ``_target_``, shared checks."""
 
 from __future__ import annotations
+
+import os
+import sys
 
 import lightning as L
 
@@ -44,16 +47,32 @@ def count_applies(monkeypatch, function) -> list[int]:
     return calls
 
 
-class PauseInSetup(L.Callback):
-    """Prints ``paused in setup`` and sleeps in the ``setup`` hook, which Lightning calls
-    after the Trainer is built and before a resumed checkpoint is restored: the window in
-    which an interrupt must not overwrite the checkpoint being resumed."""
+def in_process(monkeypatch, capsys, *argv: str, task: str = "train") -> tuple[int, str, str]:
+    """``vit_mnist.cli.<task>`` run in this process with ``argv``, as ``python <task>.py``
+    runs it: (exit status, stdout, stderr). For what needs no process of its own: Hydra's
+    composition errors, the tasks' checks of their settings, a sweep's exit status."""
+    from hydra.core.global_hydra import GlobalHydra
 
-    def __init__(self, seconds: float = 60.0) -> None:
-        self.seconds = seconds
+    from vit_mnist import cli, errors
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        import time
+    # Which task has begun and which jobs failed are the process's state; each call here
+    # is a process of its own.
+    monkeypatch.setattr(cli, "_STARTED", [])
+    monkeypatch.setattr(errors, "FAILED_JOBS", [])
 
-        print("paused in setup", flush=True)
-        time.sleep(self.seconds)
+    # Hydra's own logging config would add handlers on this test's captured stderr, left
+    # behind for later tests: "none" keeps Hydra's hands off logging.
+    quiet = ["hydra/hydra_logging=none", "hydra/job_logging=none"]
+    monkeypatch.setattr(sys, "argv", [f"{task}.py", *argv, *quiet])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    code = 0
+    try:
+        getattr(cli, task)()
+    except SystemExit as stop:
+        code = stop.code
+    finally:
+        GlobalHydra.instance().clear()
+    # Set for Hydra during the call only: the processes started later print one line too.
+    assert "HYDRA_FULL_ERROR" not in os.environ
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -38,7 +38,9 @@ def test_same_architecture_same_parameter_count(benchmark, arch):
     assert counts["vit-pytorch"] == counts["timm"] + extra
 
 
-def test_benchmark_writes_one_section_per_hardware_class(benchmark, tmp_path, monkeypatch):
+def test_benchmark_writes_one_section_per_hardware_class(
+    benchmark, tmp_path, monkeypatch, one_round_auto
+):
     out = tmp_path / "bench.md"
     args = ["--steps", "1", "--reps", "1", "--warmup", "0", "--batch", "8", "--bf16", "no"]
     # Compiling takes minutes: the compiled rows are left out here.
@@ -74,7 +76,9 @@ def test_benchmark_writes_one_section_per_hardware_class(benchmark, tmp_path, mo
     assert other in again
 
 
-def test_a_peer_that_fails_to_compile_is_left_out_not_the_run(benchmark, monkeypatch):
+def test_a_peer_that_fails_to_compile_is_left_out_not_the_run(
+    benchmark, monkeypatch, one_round_auto
+):
     def fails(**arch):
         raise AssertionError("inductor")  # as torch 2.11's inductor did on CUDA
 

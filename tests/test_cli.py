@@ -13,6 +13,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import ONE_EPOCH, ROOT, TINY_MODEL
+from tests.helpers import in_process
 
 
 def run(script: str, *overrides: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -68,30 +69,10 @@ def test_bad_input_to_eval_predict_and_export_is_one_line(monkeypatch, capsys, t
 
 
 def hydra_error(monkeypatch, capsys, *argv: str, task: str = "train") -> str:
-    """The one stderr line of ``vit_mnist.cli.<task>`` run in this process with ``argv``,
-    which must stop with exit status 2: Hydra's composition errors and the tasks' checks of
-    their settings come before any work, so no process of its own is needed."""
-    from hydra.core.global_hydra import GlobalHydra
-
-    from vit_mnist import cli
-
-    # Which task has begun is the process's state; each call here is a process of its own.
-    monkeypatch.setattr(cli, "_STARTED", [])
-
-    # Hydra's own logging config would add handlers on this test's captured stderr, left
-    # behind for later tests: "none" keeps Hydra's hands off logging.
-    quiet = ["hydra/hydra_logging=none", "hydra/job_logging=none"]
-    monkeypatch.setattr(sys, "argv", [f"{task}.py", *argv, *quiet])
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    try:
-        with pytest.raises(SystemExit) as stop:
-            getattr(cli, task)()
-    finally:
-        GlobalHydra.instance().clear()
-    assert stop.value.code == 2
-    # Set for Hydra during the call only: the processes started later print one line too.
-    assert "HYDRA_FULL_ERROR" not in os.environ
-    err = capsys.readouterr().err
+    """The one stderr line of ``vit_mnist.cli.<task>`` run in this process (:func:`in_process`)
+    with ``argv``, which must stop with exit status 2 before any work."""
+    code, _, err = in_process(monkeypatch, capsys, *argv, task=task)
+    assert code == 2
     (line,) = err.strip().splitlines()
     assert line.startswith("error: ") and "Traceback" not in err
     return line
@@ -137,36 +118,6 @@ def test_a_checkout_that_is_not_installed_is_told_to_install_it(monkeypatch, cap
     assert "'vit_mnist.not_installed' not found" in err and "pip install -e ." in err
 
 
-def test_train_cli_with_user_overrides_then_eval(tmp_path):
-    run_dir = tmp_path / "train"
-    result = run(
-        "train.py",
-        "data=synthetic",
-        "model.num_heads=8",
-        "model.embed_dim=128",
-        "model.depth=1",
-        "model.patch_size=7",
-        "trainer=cpu",
-        "trainer.max_epochs=1",
-        "data.batch_size=256",
-        "seed=7",
-        "speed.path=handwritten",  # auto's timing of the paths has tests of its own
-        "trainer.precision=32-true",
-        f"hydra.run.dir={run_dir}",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["seed"] == 7 and metrics["epochs"] == 1
-    assert (run_dir / ".hydra" / "config.yaml").is_file()
-    assert (run_dir / "train.log").is_file()
-    assert "Epoch 0" in result.stdout  # the progress bar
-
-    best = metrics["best_ckpt"]
-    result = run("eval.py", f"ckpt_path={best}", f"hydra.run.dir={tmp_path / 'eval'}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"test/acc = {metrics['test/acc']:.4f}" in result.stdout
-
-
 CONSOLE_SCRIPTS = {
     "vit-mnist-train": "train.py",
     "vit-mnist-eval": "eval.py",
@@ -196,29 +147,40 @@ def test_console_script_composes_the_same_config_anywhere(tmp_path, name):
     assert console.stdout == script.stdout and "task_name:" in console.stdout
 
 
-def test_console_script_trains_like_train_py_and_prints_each_line_once(tmp_path):
-    run_dir = tmp_path / "run"
+def test_console_script_trains_with_user_overrides_then_eval_evaluates(
+    tmp_path, monkeypatch, capsys
+):
+    """``vit-mnist-train`` is ``python train.py`` (the same function, vit_mnist.cli:train),
+    run here as a process from another folder; its bad input is train.py's, tested above.
+    ``python eval.py`` then runs in this process: what it reads is the run's files."""
+    run_dir = tmp_path / "train"
     script = str(console_script("vit-mnist-train"))
-    # Its bad input is train.py's (the same function, vit_mnist.cli:train), tested above.
     good = subprocess.run(
-        [script, "data=synthetic", "trainer=cpu", "trainer.max_epochs=1", *TINY_MODEL]
-        + ["trainer.limit_train_batches=3"]  # shorter than log_every_n_steps (50)
-        + ["callbacks.progress_bar=null", f"hydra.run.dir={run_dir}"]
-        + ["speed.path=handwritten", "trainer.precision=32-true"],
+        [script, "data=synthetic", "trainer=cpu", "trainer.max_epochs=1", "seed=7"]
+        + ["model.num_heads=8", "model.embed_dim=128", "model.depth=1", "model.patch_size=7"]
+        + ["data.batch_size=256", f"hydra.run.dir={run_dir}"]
+        + ["speed.path=handwritten", "trainer.precision=32-true"],  # auto: tests of its own
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
+        capture_output=True,  # bytes: text mode would turn the bar's carriage returns into lines
         timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
-    stdout, stderr = good.stdout, good.stderr
+    stdout, stderr = good.stdout.decode(), good.stderr.decode()
     assert good.returncode == 0, stderr[-3000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["model"]["num_heads"] == 2 and metrics["epochs"] == 1
+    assert metrics["seed"] == 7 and metrics["epochs"] == 1
+    assert metrics["model"]["num_heads"] == 8 and metrics["model"]["embed_dim"] == 128
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert (run_dir / "train.log").is_file()
+    assert "Epoch 0" in stdout  # the progress bar
 
     # The console: each line once, no tips, no deprecation notes or warnings.
-    # Hydra's format puts a time stamp first; what follows it is the line itself.
-    lines = [line.split("] - ", 1)[-1] for line in (stdout + stderr).splitlines()]
-    logged = [line for line in lines if line.strip() and not set(line) <= set("-─| ")]
+    # Hydra's format puts a time stamp first; what follows it is the line itself. The
+    # progress bar redraws its lines (carriage returns): those are not log lines.
+    lines = [line.split("] - ", 1)[-1] for line in (stdout + stderr).split("\n")]
+    logged = [
+        line for line in lines if line.strip() and "\r" not in line and not set(line) <= set("-─| ")
+    ]
     summary = [line for line in logged if "Trainable params" in line]
     assert len(summary) == 1, stderr  # the model summary once
     assert not any(line.startswith("INFO: ") for line in lines), stderr
@@ -232,10 +194,17 @@ def test_console_script_trains_like_train_py_and_prints_each_line_once(tmp_path)
         line for line in lines if line.startswith("speed path: handwritten, precision 32-true")
     ]
     assert len(speed) == 1
-    # An epoch shorter than the logging interval still logs train/loss (every step).
+    # An epoch shorter than the logging interval (50) still logs train/loss every step:
+    # 512 synthetic images at 256 a batch.
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
-    assert [e.step for e in events.Scalars("train/loss")] == [0, 1, 2]
+    assert [e.step for e in events.Scalars("train/loss")] == [0, 1]
+
+    best = metrics["best_ckpt"]
+    eval_dir = f"hydra.run.dir={tmp_path / 'eval'}"
+    code, out, err = in_process(monkeypatch, capsys, f"ckpt_path={best}", eval_dir, task="evaluate")
+    assert code == 0, err[-3000:]
+    assert f"test/acc = {metrics['test/acc']:.4f}" in out
 
 
 def test_every_package_is_installed():
@@ -250,18 +219,20 @@ def test_every_package_is_installed():
     assert listed == found
 
 
-def test_multirun_writes_under_outputs_and_survives_a_bad_job(tmp_path, capsys):
+def test_multirun_writes_under_outputs_and_survives_a_bad_job(tmp_path, capsys, monkeypatch):
     """`python train.py -m ...` as typed: the sweep dir comes from configs/hydra, and a job
-    with an impossible setting (3 heads do not divide embed_dim 32) fails alone."""
-    result = run(
-        "train.py",
+    with an impossible setting (3 heads do not divide embed_dim 32) fails alone. The
+    sweep runs its jobs in the process that started it (Hydra's basic launcher)."""
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = in_process(
+        monkeypatch,
+        capsys,
         "-m",
         "model.num_heads=3,2,4",
         *ONE_EPOCH,
         *[o for o in TINY_MODEL if not o.startswith("model.num_heads")],
-        cwd=tmp_path,
     )
-    assert result.returncode == 1, result.stderr[-3000:]
+    assert code == 1, stderr[-3000:]
     (sweep,) = (tmp_path / "outputs" / "train" / "multiruns").iterdir()
     failed = json.loads((sweep / "0" / "failed.json").read_text())
     assert failed["type"] == "ConfigError" and "num_heads=3" in failed["error"]
@@ -270,7 +241,7 @@ def test_multirun_writes_under_outputs_and_survives_a_bad_job(tmp_path, capsys):
         json.loads((sweep / j / "metrics.json").read_text())["model"]["num_heads"]
         for j in ("1", "2")
     ) == [2, 4]
-    assert "1 job(s) of the sweep failed" in result.stderr and "Traceback" not in result.stderr
+    assert "1 job(s) of the sweep failed" in stderr and "Traceback" not in stderr
     # The results table lists the failed job beside the runs that finished.
     from scripts.results import main as results_main
 

@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from scripts.gpu_check import NO_CUDA, steps
-from tests.conftest import ROOT, compose_config
+from scripts.gpu_check import NO_CUDA, main, steps
+from tests.conftest import compose_config
 from vit_mnist.settings import SETTINGS, check_settings
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
-def test_without_cuda_it_prints_one_line_and_exits_0():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gpu_check.py")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0
-    assert result.stdout.strip().splitlines() == [NO_CUDA]
+def test_without_cuda_it_prints_one_line_and_exits_0(capsys):
+    assert main([]) == 0  # the script's exit status (sys.exit(main()))
+    out, err = capsys.readouterr()
+    assert out.strip().splitlines() == [NO_CUDA] and not err
 
 
 def test_every_training_command_of_the_check_is_valid(tmp_path):

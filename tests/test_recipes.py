@@ -352,13 +352,14 @@ def test_roles_report_gives_each_layers_spread_per_token_count(tmp_path):
     assert "| 2 | 32 | 2 | 98.00 +- 0.00 |" in text and "4.50 (4.00-5.00)" in text
 
 
-def test_results_script_without_runs_is_one_line(tmp_path):
-    from tests.test_cli import run
+def test_results_script_without_runs_is_one_line(tmp_path, capsys):
+    from scripts.results import main
 
-    result = run("scripts/results.py", str(tmp_path))
-    assert result.returncode == 2 and result.stderr.startswith("error: no training run")
+    assert main([str(tmp_path)]) == 2  # the script's exit status (sys.exit(main()))
+    err = capsys.readouterr().err
+    assert err.startswith("error: no training run") and len(err.strip().splitlines()) == 1
     # The folder as the user wrote it, not Python's PosixPath('...').
-    assert result.stderr.strip().endswith(f"under {tmp_path}") and "Path(" not in result.stderr
+    assert err.strip().endswith(f"under {tmp_path}") and "Path(" not in err
 
 
 def test_ema_callback_trains_and_validates_with_averaged_weights(make_train_cfg):

@@ -11,25 +11,26 @@ import pytest
 import yaml
 
 from tests.conftest import ONE_EPOCH, TINY_MODEL
-from tests.test_cli import run
+from tests.helpers import in_process
 from vit_mnist.errors import ConfigError
 from vit_mnist.train import train
 
 
-def test_a_three_trial_optuna_study_optimises_validation_accuracy(tmp_path):
-    """`python train.py -m hparams_search=mnist_optuna` as typed, on tiny settings: each
-    trial a run of its own, the study's best value the best trial's val/acc_best, and no
-    trial looks at the test set."""
-    result = run(
-        "train.py",
+def test_a_three_trial_optuna_study_optimises_validation_accuracy(tmp_path, monkeypatch, capsys):
+    """`python train.py -m hparams_search=mnist_optuna` as typed (run in this process), on
+    tiny settings: each trial a run of its own, the study's best value the best trial's
+    val/acc_best, and no trial looks at the test set."""
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = in_process(
+        monkeypatch,
+        capsys,
         "-m",
         "hparams_search=mnist_optuna",
         "hydra.sweeper.n_trials=3",
         *ONE_EPOCH,
         *TINY_MODEL,
-        cwd=tmp_path,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert code == 0, stderr[-3000:]
     (sweep,) = (tmp_path / "outputs" / "train" / "multiruns").iterdir()
     trials = [json.loads((sweep / str(j) / "metrics.json").read_text()) for j in range(3)]
     assert all("test/acc" not in m for m in trials)

@@ -104,11 +104,10 @@ def test_fused_attention_and_bf16_train(make_train_cfg):
 
 @pytest.mark.isa
 def test_auto_chooses_path_and_precision_by_measurement_then_from_the_cache(
-    make_train_cfg, tmp_path, monkeypatch
+    make_train_cfg, tmp_path, fresh_speed_cache, one_round_auto
 ):
     from vit_mnist.speed.hardware import has_native_bf16
 
-    monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path / "cache"))
     overrides = ["speed.path=auto", "trainer.precision=auto", "trainer.max_epochs=1", "test=false"]
     first = train(make_train_cfg(*overrides))
     assert first["speed_choice"] == "measured"
