@@ -52,6 +52,7 @@ def in_process(monkeypatch, capsys, *argv: str, task: str = "train") -> tuple[in
     runs it: (exit status, stdout, stderr). For what needs no process of its own: Hydra's
     composition errors, the tasks' checks of their settings, a sweep's exit status."""
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
 
     from vit_mnist import cli, errors
 
@@ -72,6 +73,7 @@ def in_process(monkeypatch, capsys, *argv: str, task: str = "train") -> tuple[in
         code = stop.code
     finally:
         GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = None  # the last job's, read by code that asks Hydra
     # Set for Hydra during the call only: the processes started later print one line too.
     assert "HYDRA_FULL_ERROR" not in os.environ
     out, err = capsys.readouterr()

@@ -100,11 +100,14 @@ def test_fashion_class_names_reach_the_tables_and_plots(fashion_dir, tmp_path):
 
     overrides = ["data=fashion_mnist", "trainer=cpu", "trainer.max_epochs=1"]
     overrides += ["trainer.limit_train_batches=3", "trainer.limit_val_batches=2"]
+    overrides += ["trainer.limit_test_batches=2"]
     overrides += ["model.depth=1", "model.embed_dim=32", "model.num_heads=2"]
     overrides += ["speed.path=reference", "trainer.precision=32-true"]  # auto: test_speed
     metrics = train(compose_config("train", overrides, tmp_path / "train"))
     assert metrics["dataset"] == "fashion_mnist"
-    cfg = compose_config("eval", [f"ckpt_path={metrics['best_ckpt']}"], tmp_path / "eval")
+    # Two test batches (512 images) hold every class.
+    eval_overrides = [f"ckpt_path={metrics['best_ckpt']}", "trainer.limit_test_batches=2"]
+    cfg = compose_config("eval", eval_overrides, tmp_path / "eval")
     evaluate(cfg)
     per_class = (tmp_path / "eval" / "per_class.csv").read_text()
     assert "Ankle boot" in per_class and "T-shirt/top" in per_class
