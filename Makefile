@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Tests run in this many worker processes (pytest-xdist), an idle worker taking tests
 # queued for the other (worksteal: 156 s against 170 s for one file to a worker, 2-core
 # Zen 5); most of the suite's time is single-threaded (process start-up, compilers,
-# subprocesses), and a third worker on 2 cores was slower (177 s).
+# subprocesses), and a third worker on 2 cores was slower (170 s against 143 s).
 PYTEST_WORKERS ?= 2
 
 .PHONY: setup train eval test lint clean
