@@ -262,27 +262,38 @@ def test_resume_command_keeps_the_runs_hydra_overrides(tmp_path):
     assert run_dir in command and command.endswith(" ckpt_path=c/last.ckpt")
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks the writer (no os.fork here)")
 def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path):
     path = tmp_path / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(3)}, "v": 1}, path)
-    script = f"""
-import os, sys, time, torch
-from vit_mnist.checkpointing import AtomicCheckpointIO
-def stall(fd):
-    print("writing", flush=True)
-    time.sleep(60)
-os.fsync = stall  # the new bytes are written to the temporary file; stop before the rename
-new = {{"state_dict": {{"w": torch.zeros(10**6)}}, "v": 2}}
-AtomicCheckpointIO().save_checkpoint(new, {str(path)!r})
-"""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout.readline().strip() == "writing"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    # The writer is a process of its own, killed mid-write: forked from this one, which has
+    # imported everything already (a new interpreter would spend 5 s importing Lightning).
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_fd)
+
+            def stall(fd):
+                os.write(write_fd, b"writing\n")
+                time.sleep(60)
+
+            # The new bytes are written to the temporary file; stop before the rename.
+            os.fsync = stall
+            new = {"state_dict": {"w": torch.zeros(10**6)}, "v": 2}
+            AtomicCheckpointIO().save_checkpoint(new, path)
+        finally:
+            os._exit(1)  # never back into pytest
+    os.close(write_fd)
+    with os.fdopen(read_fd) as pipe:
+        assert pipe.readline().strip() == "writing"
+    os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     loaded = torch.load(path, weights_only=True)
     assert loaded["v"] == 1 and torch.equal(loaded["state_dict"]["w"], torch.ones(3))
+    # The write was cut short: its temporary file is what it left.
+    assert [p for p in tmp_path.iterdir() if p != path]
 
 
 BAD_SETTINGS = [
