@@ -9,6 +9,8 @@ go under the current directory (``paths.root_dir``), exactly as with ``python tr
 
 from __future__ import annotations
 
+import atexit
+import gc
 import importlib
 import logging
 import os
@@ -24,6 +26,11 @@ from omegaconf import DictConfig
 
 CONFIG_PATH = "pkg://vit_mnist.configs"
 _ENV_AT_START = dict(os.environ)
+
+# The interpreter's last garbage collection at exit walks every object that torch and
+# Lightning made at import: 1.3 s of a 1.6 s exit on a 2-core CPU, after the program has
+# finished and every file it writes is closed. Frozen, they are left to the process's end.
+atexit.register(gc.freeze)
 
 
 _STARTED: list[str] = []  # the task whose body has begun (see _start)
