@@ -53,10 +53,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vit_mnist.hardware import cpu_class, cpu_name, has_native_bf16, isa_class
 from vit_mnist.models import VisionTransformer
-from vit_mnist.speed.choose import choose
-from vit_mnist.speed.hardware import cpu_class, cpu_name, has_native_bf16, isa_class
-from vit_mnist.speed.paths import PATHS, compile_settings
+from vit_mnist.speed.choose import PATHS, choose
 
 ARCHS = {
     # The default config's width, depth and heads.
@@ -151,7 +150,7 @@ class Compiled(nn.Module):
         self.compiled = torch.compile(model, dynamic=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with compile_settings():
+        with torch._dynamo.config.patch(specialize_float=True):
             return self.compiled(x)
 
 

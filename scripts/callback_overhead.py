@@ -23,7 +23,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
-from vit_mnist.speed.hardware import cpu_name
+from vit_mnist.hardware import cpu_name
 from vit_mnist.train import train
 
 ROOT = Path(__file__).resolve().parents[1]

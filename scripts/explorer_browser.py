@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: {missing}")
         return 2
+    from vit_mnist.hardware import cpu_class, cpu_name
     from vit_mnist.io import atomic_write_bytes
-    from vit_mnist.speed.hardware import cpu_class, cpu_name
 
     torch.set_num_threads(1)  # as scripts/explore.py runs
     load_before = os.getloadavg()[0]

@@ -148,7 +148,7 @@ def mnist_dir():
 
 def pytest_report_header() -> str:
     """The instruction-set class the run's kernels use: CI runs the ``isa`` tests twice."""
-    from vit_mnist.speed.hardware import isa_class
+    from vit_mnist.hardware import isa_class
 
     forced = os.environ.get("ATEN_CPU_CAPABILITY")
     return f"CPU class: {isa_class()}" + (f" (ATEN_CPU_CAPABILITY={forced})" if forced else "")

@@ -45,7 +45,7 @@ def test_benchmark_writes_one_section_per_hardware_class(
     args = ["--steps", "1", "--reps", "1", "--warmup", "0", "--batch", "8", "--bf16", "no"]
     # Compiling takes minutes: the compiled rows are left out here.
     argv = [*args, "--archs", "default", "--compile-archs", "--out", str(out)]
-    from vit_mnist.speed.hardware import isa_class
+    from vit_mnist.hardware import isa_class
 
     # Another machine's section: a class this machine is not, whichever class it is.
     other = "## CPU: Other, class " + ("ARM" if isa_class() != "ARM" else "AVX2") + "; patch 4"

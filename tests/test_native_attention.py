@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from tests.helpers import assert_same_values_and_gradients, count_applies
+from vit_mnist.hardware import cpuinfo_flags
 from vit_mnist.models import MultiHeadSelfAttention, VisionTransformer
 from vit_mnist.speed import native
+from vit_mnist.speed.choose import PATHS
 from vit_mnist.speed.forward import attention_forward, handwritten_backward_core
-from vit_mnist.speed.hardware import cpuinfo_flags
-from vit_mnist.speed.native_forward import native_core, native_vit_forward
-from vit_mnist.speed.paths import PATHS
+from vit_mnist.speed.native import native_core, native_vit_forward
 
 # Depends on the CPU's instruction set: CI runs it again under AVX2 emulation (.ci/run).
 pytestmark = pytest.mark.isa
@@ -57,12 +57,12 @@ def kernels_built_two_at_a_time():
     is one compiler process on one core, and there are about 1.5 s of them per shape class
     and target."""
     builds = {
-        (*native._shape_class(tokens, dim // heads, native.LANES[t]), t)
+        (t, *native.attention_defines(tokens, dim // heads, native.LANES[t]))
         for t in TARGETS
         for tokens, dim, heads in FLOAT32_SHAPES + BF16_SHAPES
     }
     with ThreadPoolExecutor(max_workers=2) as pool:
-        list(pool.map(lambda build: native._target_library(*build), builds))
+        list(pool.map(lambda build: native.library("attention", *build), builds))
 
 
 @pytest.fixture(params=TARGETS or [None])
@@ -186,7 +186,7 @@ def test_native_path_is_offered_at_avx2_and_avx512_only(monkeypatch):
 @needs_kernel
 def test_build_is_cached_and_leaves_no_partial_file(monkeypatch, tmp_path):
     monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
-    build = lambda: native._build(native.SOURCE, ("-DATTN_NB=2", "-DATTN_DV=1"), "attn")  # noqa: E731
+    build = lambda: native.build("attention", ("-DATTN_NB=2", "-DATTN_DV=1"))  # noqa: E731
     first = build()
     assert first.parent == tmp_path / "kernels" and first.stat().st_size > 0
     mtime = first.stat().st_mtime_ns
@@ -198,7 +198,7 @@ def test_build_is_cached_and_leaves_no_partial_file(monkeypatch, tmp_path):
 def test_without_a_compiler_it_warns_and_the_explicit_path_runs(monkeypatch, tmp_path):
     monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    native._target_library.cache_clear()
+    native.library.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler found"):
             assert native.kernel_for(torch.zeros(1, 17, 48), None, 1) is None
@@ -209,7 +209,7 @@ def test_without_a_compiler_it_warns_and_the_explicit_path_runs(monkeypatch, tmp
         assert x.grad is not None and torch.isfinite(x.grad).all()
         assert not any((tmp_path / "kernels").glob("*"))  # nothing half-built left behind
     finally:
-        native._target_library.cache_clear()
+        native.library.cache_clear()
 
 
 @needs_kernel
@@ -237,7 +237,7 @@ def test_a_kernel_that_cannot_be_built_is_said_left_out_and_remembered(
 
     monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "/bin/false")  # a compiler that fails every build
-    native._target_library.cache_clear()
+    native.library.cache_clear()
     native.FAILURES.clear()
     try:
         model = dict(patch_size=7, embed_dim=32, depth=1, num_heads=2)
@@ -255,7 +255,7 @@ def test_a_kernel_that_cannot_be_built_is_said_left_out_and_remembered(
         assert '"path": "native"' not in cached and "native 32-true" not in cached
 
         # Remembered: a later process finds the failure without running the compiler.
-        native._target_library.cache_clear()
+        native.library.cache_clear()
         native.FAILURES.clear()
         commands: list[list[str]] = []
         run = subprocess.run
@@ -268,5 +268,5 @@ def test_a_kernel_that_cannot_be_built_is_said_left_out_and_remembered(
         with pytest.raises(ConfigError, match="speed.path=native cannot run here: .*false failed"):
             prepare_speed(module, config("native"))
     finally:
-        native._target_library.cache_clear()
+        native.library.cache_clear()
         native.FAILURES.clear()

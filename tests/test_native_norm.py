@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from tests.helpers import assert_same_values_and_gradients, count_applies
 from vit_mnist.models import VisionTransformer
 from vit_mnist.speed import native
-from vit_mnist.speed.native_forward import _add_norm, _block_deferred, native_vit_forward
-from vit_mnist.speed.paths import PATHS
+from vit_mnist.speed.choose import PATHS
+from vit_mnist.speed.native import _block_deferred, native_vit_forward
 
 # Depends on the CPU's instruction set: CI runs it again under AVX2 emulation (.ci/run).
 pytestmark = pytest.mark.isa
@@ -85,7 +85,7 @@ def native_full_forward(net: VisionTransformer, x: torch.Tensor) -> torch.Tensor
     x, branch = net._embed(x), None
     for block in net.blocks:
         x, branch = _block_deferred(block, x, branch)
-    return net.forward_head(_add_norm(x, branch, net.norm, for_linear=False)[1])
+    return net.forward_head(native.add_norm(x, branch, net.norm, for_linear=False)[1])
 
 
 @needs_kernel
@@ -139,8 +139,7 @@ def test_kernel_runs_in_cpu_training_steps_only(monkeypatch):
 def test_without_a_compiler_it_warns_and_pytorchs_operations_run(monkeypatch, tmp_path):
     monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    native._norm_library.cache_clear()
-    native._target_library.cache_clear()
+    native.library.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler found"):
             assert not native.add_norm_usable(torch.zeros(2, 48), None, torch.nn.LayerNorm(48))
@@ -150,5 +149,4 @@ def test_without_a_compiler_it_warns_and_pytorchs_operations_run(monkeypatch, tm
         assert all(torch.isfinite(p.grad).all() for p in model.parameters())
         assert not any((tmp_path / "kernels").glob("*"))  # nothing half-built left behind
     finally:
-        native._norm_library.cache_clear()
-        native._target_library.cache_clear()
+        native.library.cache_clear()

@@ -20,8 +20,7 @@ from vit_mnist.evaluate import evaluate
 from vit_mnist.models.attention import MultiHeadSelfAttention
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.module import ViTClassifier
-from vit_mnist.speed.choose import candidates
-from vit_mnist.speed.paths import PATHS
+from vit_mnist.speed.choose import PATHS, candidates
 from vit_mnist.train import train
 
 ARGS = dict(embed_dim=32, depth=2, num_heads=4, patch_size=7)

@@ -106,7 +106,7 @@ def test_fused_attention_and_bf16_train(make_train_cfg):
 def test_auto_chooses_path_and_precision_by_measurement_then_from_the_cache(
     make_train_cfg, tmp_path, fresh_speed_cache, one_round_auto
 ):
-    from vit_mnist.speed.hardware import has_native_bf16
+    from vit_mnist.hardware import has_native_bf16
 
     overrides = ["speed.path=auto", "trainer.precision=auto", "trainer.max_epochs=1", "test=false"]
     first = train(make_train_cfg(*overrides))
@@ -148,7 +148,8 @@ def test_compile_path_keeps_plain_checkpoints(make_train_cfg, monkeypatch):
 def test_model_compile_is_refused_with_the_new_setting(make_train_cfg):
     with pytest.raises(ConfigError, match=r"model.compile is no longer .* speed.path=compile"):
         train(make_train_cfg("+model.compile=true"))
-    with pytest.raises(ConfigError, match=r"speed.path='warp' is unknown"):
+    # The schema's choices are the speed layer's path names (and auto).
+    with pytest.raises(ConfigError, match=r"speed.path=warp is not one of \['auto', 'reference'"):
         train(make_train_cfg("speed.path=warp"))
 
 
@@ -193,7 +194,7 @@ def test_eval_rejects_foreign_torch_file(tmp_path):
     ],
 )
 def test_device_line_names_threads_and_processes(monkeypatch, threads, processes, expected):
-    from vit_mnist.speed import hardware
+    from vit_mnist import hardware
 
     monkeypatch.setattr(hardware, "cpu_name", lambda: "CPU")
     monkeypatch.setattr(hardware, "cpu_class", lambda: "AVX2")
@@ -204,7 +205,7 @@ def test_device_line_names_threads_and_processes(monkeypatch, threads, processes
 def test_device_line_names_a_class_held_below_the_cpu(monkeypatch):
     # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU: the results table must not file the run
     # under the CPU's own class.
-    from vit_mnist.speed import hardware
+    from vit_mnist import hardware
 
     monkeypatch.setattr(hardware, "cpu_name", lambda: "CPU")
     monkeypatch.setattr(hardware, "cpu_class", lambda: "AVX512-BF16")

@@ -43,11 +43,11 @@ from vit_mnist.checkpointing import (
     resolve_ckpt_path,
 )
 from vit_mnist.errors import ConfigError, exit_on_user_error
+from vit_mnist.hardware import describe_device, resolve_precision, uses_cuda
 from vit_mnist.io import save_figure, save_png, write_csv, write_metrics
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
 from vit_mnist.settings import EvalSettings, check_settings
-from vit_mnist.speed.hardware import describe_device, resolve_precision, uses_cuda
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from vit_mnist.models import build_model
 from vit_mnist.models.vit import average_heads
 from vit_mnist.schedule import warmup_cosine
 from vit_mnist.settings import ModuleSettings, check_arguments
-from vit_mnist.speed.paths import PATHS
+from vit_mnist.speed.choose import PATHS
 
 RUN_INFO_KEY = "vit_mnist"
 

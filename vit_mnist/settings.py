@@ -33,6 +33,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from vit_mnist.errors import ConfigError
+from vit_mnist.speed import PATH_NAMES
 
 PRECISIONS = ["32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true"]
 ACCELERATORS = ["auto", "cpu", "gpu", "cuda", "mps"]
@@ -110,7 +111,7 @@ def _pictures(value: Any) -> str | None:
 
 @dataclass
 class SpeedSettings:
-    path: str = _setting(example="speed.path=auto")
+    path: str = _setting(choices=["auto", *PATH_NAMES], example="speed.path=auto")
     compile: bool = _setting()
     cache: bool = _setting()
 

@@ -22,12 +22,12 @@ from vit_mnist.checkpointing import check_teacher, model_to_start_from, resume_c
 from vit_mnist.data.augment import BatchAugment
 from vit_mnist.data.sources import MNIST_MD5, raw_folder
 from vit_mnist.errors import ConfigError, exit_on_user_error
+from vit_mnist.hardware import describe_device, resolve_precision, uses_cuda
 from vit_mnist.io import write_metrics
 from vit_mnist.models import check_model_args
 from vit_mnist.module import ViTClassifier
 from vit_mnist.settings import PRECISIONS, TrainSettings, check_settings, import_target
-from vit_mnist.speed.choose import Choice, check_speed_path, prepare_speed
-from vit_mnist.speed.hardware import describe_device, resolve_precision, uses_cuda
+from vit_mnist.speed.choose import Choice, prepare_speed
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,6 @@ def check_config(cfg: DictConfig) -> None:
     check_settings(cfg, TrainSettings)
     model = _resolved(cfg.model)
     check_model_args(model)
-    check_speed_path((cfg.get("speed") or {}).get("path", "auto"))
     data = cfg.data
     if data.get("augment"):
         # Its ranges together (scale as [min, max], min <= max), which no one field states.

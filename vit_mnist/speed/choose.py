@@ -1,21 +1,12 @@
-"""Choosing the training path and precision by measurement, on the user's own machine.
-
-``speed.path=auto`` (and ``trainer.precision=auto``) time every available (path,
-precision) candidate for a few training steps, in turn and interleaved, keep the fastest,
-and remember the figures in ``$VIT_MNIST_CACHE/speed_choices.json`` (default
-``~/.cache/vit_mnist``), keyed by the hardware (:func:`hardware_key`), the model's
-arguments, the batch size and the candidates. A later run with the same key starts at once;
-an entry it cannot read is measured again.
-
-The compiled path (``compile``) is timed only with
-``speed.compile=true``, because a model's first compile costs 30 to 60 s on a 2-core CPU;
-it is then timed at the precision the eager paths chose, against the eager winner.
-"""
+"""The named training paths (:data:`PATHS`), and choosing one with the precision by
+measurement on the user's own machine (:func:`choose`, docs/speed.md "How auto chooses")."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import math
@@ -23,18 +14,24 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
 from vit_mnist.errors import ConfigError
+from vit_mnist.hardware import (
+    describe_device,
+    hardware_key,
+    has_native_bf16,
+    uses_cuda,
+)
+from vit_mnist.io import atomic_write_bytes
 from vit_mnist.models.vit import VisionTransformer
-from vit_mnist.speed import cache_root
-from vit_mnist.speed.hardware import describe_hardware, hardware_key, has_native_bf16, uses_cuda
-from vit_mnist.speed.paths import PATHS
+from vit_mnist.speed import PATH_NAMES, cache_root, native
+from vit_mnist.speed.forward import handwritten_backward_core, sdpa_core, vit_forward
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +39,120 @@ PRECISIONS = ("32-true", "bf16-mixed")
 Pair = tuple[str, str]  # (path, precision)
 
 
-def _name(pair: Pair) -> str:
-    return f"{pair[0]} {pair[1]}"
+def _vit_only(net: nn.Module) -> str | None:
+    return None if isinstance(net, VisionTransformer) else "a convnet runs on the reference path"
+
+
+@dataclass(frozen=True)
+class TrainingPath:
+    """A way to run the training step.
+
+    Attributes:
+        build: model -> its forward ``images (B, C, H, W) -> logits (B, num_classes)`` (with
+            ``heads=True``, a distilled ViT's two heads' logits) on the model's own modules:
+            the optimizer, the checkpoints and the attention maps see one model.
+        unavailable: device -> why this path cannot run there, or None.
+        unsupported: model -> why this path cannot run it, or None.
+        compiles: whether the first training step compiles (evaluation runs eagerly).
+    """
+
+    build: Callable[[nn.Module], Callable[..., Any]]
+    unavailable: Callable[[torch.device], str | None] = lambda device: None
+    unsupported: Callable[[nn.Module], str | None] = _vit_only
+    compiles: bool = False
+
+
+def _reference(net: nn.Module) -> Callable[..., Any]:
+    def forward(x: torch.Tensor, heads: bool = False) -> Any:
+        return net.forward_heads(net.forward_features(x)) if heads else net(x)
+
+    return forward
+
+
+def _compiled(net: nn.Module) -> Callable[..., Any]:
+    """:func:`vit_forward` compiled by inductor for the training step. ``dynamic=True``: one
+    graph for every batch size. Without gradients (validation, test) it runs eagerly: a
+    graph of its own would cost a first compile (11 to 27 s on 2 cores) for seconds of a run.
+    ``specialize_float`` traces float attributes (dropout ``p``, LayerNorm ``eps``) as the
+    constants they are, rather than as symbols that restart the analysis later."""
+    compiled = torch.compile(functools.partial(vit_forward, net), dynamic=True)
+
+    def forward(x: torch.Tensor, heads: bool = False) -> Any:
+        if not torch.is_grad_enabled():
+            return vit_forward(net, x, heads=heads)
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(x, heads=heads)
+
+    return forward
+
+
+def _compile_unavailable(device: torch.device) -> str | None:
+    if device.type == "cuda":
+        return None if importlib.util.find_spec("triton") else "triton is not installed"
+    if device.type != "cpu":
+        return f"not supported on {device.type}"
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler:
+        return "no working C++ compiler (install g++)"
+    return None
+
+
+def _native_unavailable(device: torch.device) -> str | None:
+    if device.type != "cpu":
+        return "CPU only"
+    target = native.build_target()
+    if target is None:
+        return f"needs AVX2 or AVX-512, this CPU runs PyTorch at {native.isa_class()}"
+    if target == "AVX-512" and not {"avx512f", "avx512bw", "avx512vl"} <= native.cpuinfo_flags():
+        return "needs AVX-512 F, BW and VL"
+    if not torch.backends.openmp.is_available():
+        return "this torch build has no OpenMP"
+    return None if native.compiler() else "no C++ compiler found (install g++)"
+
+
+def _native_unsupported(net: nn.Module) -> str | None:
+    """The kernel assumes h * d_k == D in every block (pruned heads break it); it is built
+    now for the model's shape, so one that cannot be built leaves the path out rather than
+    running PyTorch's operations under its name."""
+    if why := _vit_only(net):
+        return why
+    for i, attn in enumerate(block.attn for block in net.blocks):
+        if attn.num_heads * attn.head_dim != attn.embed_dim:
+            return (
+                f"block {i} has {attn.num_heads} heads of {attn.head_dim} features, not "
+                f"embed_dim={attn.embed_dim} (pruned heads); the C++ kernel assumes them equal"
+            )
+    return native.build_failure(net.num_tokens, net.blocks[0].attn.head_dim)
+
+
+def _core(core: Callable) -> Callable[[nn.Module], Callable[..., Any]]:
+    return lambda net: functools.partial(vit_forward, net, core=core)
+
+
+# In PATH_NAMES' order. Every path but the reference runs the last block for the CLS token
+# only and the patch embedding as a matrix product (vit_mnist/speed/forward.py).
+PATHS: dict[str, TrainingPath] = dict(
+    zip(
+        PATH_NAMES,
+        [
+            TrainingPath(_reference, unsupported=lambda net: None),  # the model, autograd
+            TrainingPath(_core(sdpa_core)),  # scaled_dot_product_attention
+            TrainingPath(_core(handwritten_backward_core)),  # the backward written out
+            TrainingPath(_compiled, _compile_unavailable, compiles=True),  # inductor
+            # C++ kernels: attention (AVX2, AVX-512), residual add + LayerNorm (AVX-512).
+            TrainingPath(
+                lambda net: functools.partial(native.native_vit_forward, net),
+                _native_unavailable,
+                _native_unsupported,
+            ),
+        ],
+        strict=True,
+    )
+)
 
 
 @dataclass
@@ -51,7 +160,7 @@ class Choice:
     """The path and precision a run trains with, and how they were chosen.
 
     Attributes:
-        path: a key of :data:`~vit_mnist.speed.paths.PATHS`.
+        path: a key of :data:`PATHS`.
         precision: a Lightning precision, ``32-true`` or ``bf16-mixed`` when measured.
         images_per_s: ``"path precision" -> images/s`` of every candidate timed (or read
             from the cache); empty when nothing was timed.
@@ -69,13 +178,13 @@ class Choice:
 
     def describe(self, device: torch.device) -> str:
         """One log line: the choice, how long it took, every figure, what was left out."""
-        line = f"speed path: {self.path}, precision {self.precision} ({self.how}"
-        if self.how != "forced":
-            line += f" in {self.seconds:.2f} s"
-        line += f"; {describe_hardware(device)})"
-        figures = ", ".join(f"{k} {v:,.0f}" for k, v in self.images_per_s.items())
-        if figures:
-            line += f"; images/s: {figures}"
+        took = "" if self.how == "forced" else f" in {self.seconds:.2f} s"
+        line = f"speed path: {self.path}, precision {self.precision} ({self.how}{took}; "
+        line += describe_device(device) + ")"
+        if self.images_per_s:
+            line += "; images/s: " + ", ".join(
+                f"{k} {v:,.0f}" for k, v in self.images_per_s.items()
+            )
         if self.how != "forced" and self.skipped:
             line += "; not timed: " + "; ".join(f"{p} ({why})" for p, why in self.skipped.items())
         return line
@@ -92,100 +201,65 @@ class Choice:
         }
 
 
-def check_speed_path(path: Any) -> None:
-    """Raise ConfigError naming ``speed.path`` unless it is ``auto`` or a path's name."""
-    if path != "auto" and path not in PATHS:
-        raise ConfigError(f"speed.path={path!r} is unknown; use auto or one of {list(PATHS)}")
-
-
 def candidates(
-    device: torch.device,
-    path: str,
-    precision: str,
-    include_compiled: bool,
-    net: VisionTransformer | None = None,
+    device: torch.device, path: str, precision: str, include_compiled: bool, net=None
 ) -> tuple[list[Pair], dict[str, str]]:
-    """The (path, precision) pairs ``choose`` may time, and ``path -> why`` for those left out.
-
-    ``include_compiled=False`` leaves the compiled paths out of ``auto``. ``net``, when
-    given, must be supported too (a model with pruned heads is not by every path, see
-    :attr:`TrainingPath.unsupported <vit_mnist.speed.paths.TrainingPath>`).
+    """The (path, precision) pairs :func:`choose` may time, and ``path -> why`` for those
+    left out. ``include_compiled=False`` leaves the compiled paths out of ``auto``.
+    ``net``, when given, must be supported too.
 
     Raises:
-        ConfigError: an unknown path, or a forced one that cannot run on ``device`` or
-            ``net``, saying why.
+        ConfigError: a forced path that cannot run on ``device`` or ``net``, saying why
+            (the settings schema has refused an unknown one).
     """
-    check_speed_path(path)
-
-    def unavailable(p) -> str | None:
-        return p.unavailable(device) or (None if net is None else p.unsupported(net))
-
     paths, skipped = [], {}
-    if path == "auto":
-        for name, p in PATHS.items():
-            why = unavailable(p)
-            if why is None and p.compiles and not include_compiled:
-                why = "compiles first, 30-60 s; speed.compile=true times it"
-            if why is None:
-                paths.append(name)
-            else:
-                skipped[name] = why
-    else:
-        why = unavailable(PATHS[path])
-        if why is not None:
+    for name, p in PATHS.items() if path == "auto" else [(path, PATHS[path])]:
+        why = p.unavailable(device) or (None if net is None else p.unsupported(net))
+        if path != "auto" and why:
             raise ConfigError(f"speed.path={path} cannot run here: {why}; use speed.path=auto")
-        paths = [path]
-    if precision == "auto":
-        precisions = list(PRECISIONS) if has_native_bf16(device.type == "cuda") else ["32-true"]
-    else:
+        if why is None and p.compiles and not include_compiled and path == "auto":
+            why = "compiles first, 30-60 s; speed.compile=true times it"
+        if why is None:
+            paths.append(name)
+        else:
+            skipped[name] = why
+    if precision != "auto":
         precisions = [precision]
-    return [(p, q) for p in paths for q in precisions], skipped
+    else:
+        precisions = list(PRECISIONS) if has_native_bf16(device.type == "cuda") else ["32-true"]
+    # A compiled path at one precision, the last (bf16 where the hardware has it): one
+    # compile, not one per precision.
+    pairs = [(p, q) for p in paths for q in (precisions[-1:] if PATHS[p].compiles else precisions)]
+    return pairs, skipped
 
 
-def _cache_file() -> Path:
-    return cache_root() / "speed_choices.json"
-
-
-def _cache_key(device: torch.device, model_args: dict, batch_size: int, pairs: list[Pair]) -> str:
+def _cache_key(device: torch.device, model_args: dict, batch_size: int, pairs: list) -> str:
     what = [hardware_key(device), model_args, batch_size, [list(p) for p in pairs]]
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def _read_cache() -> dict[str, Any]:
-    try:
-        entries = json.loads(_cache_file().read_text())
-    except (OSError, ValueError):
-        return {}
-    return entries if isinstance(entries, dict) else {}  # a damaged file: start again
-
-
 def _cached(key: str, pairs: list[Pair]) -> dict[str, float] | None:
     """The figures cached under ``key`` if they cover ``pairs``, each a positive number."""
-    entry = _read_cache().get(key)
-    figures = entry.get("images_per_s") if isinstance(entry, dict) else None
-    if not isinstance(figures, dict):
-        return None
-    speeds = {_name(p): figures.get(_name(p)) for p in pairs}
+    try:
+        entry = json.loads((cache_root() / "speed_choices.json").read_text()).get(key)
+        speeds = {f"{p} {q}": entry["images_per_s"][f"{p} {q}"] for p, q in pairs}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return None  # none yet, another version's, or a damaged file: measured again
     ok = all(type(v) in (int, float) and v > 0 for v in speeds.values())
     return {k: float(v) for k, v in speeds.items()} if ok else None
 
 
 def _write_cache(key: str, device: torch.device, speeds: dict[str, float]) -> None:
-    from vit_mnist.io import atomic_write_bytes
-
-    entries = _read_cache()
-    path, precision = max(speeds, key=speeds.get).split(" ")
-    entries[key] = {
-        "path": path,
-        "precision": precision,
-        "images_per_s": speeds,
-        "hardware": hardware_key(device),
-    }
-    text = json.dumps(entries, indent=1, sort_keys=True) + "\n"
+    file = cache_root() / "speed_choices.json"
     try:
-        atomic_write_bytes(_cache_file(), text.encode())
+        entries = dict(json.loads(file.read_text()))
+    except (OSError, ValueError, TypeError):
+        entries = {}  # none yet, or damaged: started again
+    entries[key] = {"images_per_s": speeds, "hardware": hardware_key(device)}
+    try:
+        atomic_write_bytes(file, (json.dumps(entries, indent=1, sort_keys=True) + "\n").encode())
     except OSError as e:  # a read-only home: what was measured still holds for this run
-        log.warning("%s not written (%s)", _cache_file().name, e)
+        log.warning("%s not written (%s)", file.name, e)
 
 
 def time_candidates(
@@ -202,30 +276,23 @@ def time_candidates(
 ) -> dict[str, float]:
     """Images/s of each (path, precision) pair: ``"path precision" -> images/s``.
 
-    A training step is what each step of the training loop pays: ``augment`` of a random
-    batch of ``batch_size`` images (when given: the datamodule's batch augmentation), then
-    forward, cross-entropy, backward and a fused AdamW step. Each pair first takes one
-    untimed step (allocations, kernel builds; a compiled path compiles), then the pairs
-    take turns for ``rounds`` rounds, in alternating order so a drift in the machine's
-    speed hits all alike. A round is ``steps`` steps, or as many as fill ``min_round_s``
-    (a GPU step of 15 ms is too short to time alone). A pair's figure is its best round:
-    on a shared machine load only ever slows a round down (as :mod:`timeit` takes the
-    minimum). The rounds stop early after the one in which ``budget_s`` seconds have passed.
-
-    Runs on a copy of ``net`` and restores the random-number state, so the run that
-    follows is the same as without it.
+    A step is what the loop's step pays: ``augment`` (the datamodule's batch augmentation)
+    of a random batch of ``batch_size`` images, forward, cross-entropy, backward, a fused
+    AdamW step. After one untimed step each, the pairs take turns for ``rounds`` rounds, in
+    reversed order every other round, of ``steps`` steps or as many as fill ``min_round_s``
+    (a 15 ms GPU step is too short to time alone), until ``budget_s`` seconds have passed.
+    A pair counts with its best round: load only ever slows a round down. Runs on a copy of
+    ``net`` and restores the random-number state, so the run that follows is unchanged.
     """
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     model = copy.deepcopy(net).to(device).train()
-    shape = (batch_size, model.in_chans, model.img_size, model.img_size)
-    images = torch.randn(shape, device=device)
+    images = torch.randn(batch_size, model.in_chans, model.img_size, model.img_size, device=device)
     labels = torch.randint(0, model.head.out_features, (batch_size,), device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type in ("cpu", "cuda"))
-    forwards = {p: PATHS[p].build(model) for p in {p for p, _ in pairs}}
+    forwards = {p: PATHS[p].build(model) for p, _ in pairs}
 
-    def timed_steps(pair: Pair, n: int) -> float:
-        """Seconds per step over ``n`` steps of ``pair``."""
+    def seconds_per_step(pair: Pair, n: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -241,13 +308,13 @@ def time_candidates(
         return (time.perf_counter() - start) / n
 
     try:
-        step_s = {pair: timed_steps(pair, 1) for pair in pairs}
+        step_s = {pair: seconds_per_step(pair, 1) for pair in pairs}
         speeds = {pair: 0.0 for pair in pairs}
         start = time.perf_counter()
         for r in range(rounds):
             for pair in pairs if r % 2 == 0 else pairs[::-1]:
                 n = max(steps, math.ceil(min_round_s / max(step_s[pair], 1e-6)))
-                step_s[pair] = timed_steps(pair, n)
+                step_s[pair] = seconds_per_step(pair, n)
                 speeds[pair] = max(speeds[pair], batch_size / step_s[pair])
             if time.perf_counter() - start > budget_s:
                 break
@@ -255,11 +322,11 @@ def time_candidates(
         torch.set_rng_state(rng)
         if cuda_rng:
             torch.cuda.set_rng_state_all(cuda_rng)
-    return {_name(p): v for p, v in speeds.items()}
+    return {f"{p} {q}": v for (p, q), v in speeds.items()}
 
 
 def choose(
-    net: VisionTransformer,
+    net: nn.Module,
     *,
     model_args: dict[str, Any],
     device: torch.device,
@@ -270,72 +337,40 @@ def choose(
     use_cache: bool = True,
     augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Choice:
-    """The path and precision to train ``net`` with on ``device``.
-
-    Args:
-        net: the model (not modified: the timing runs on a copy).
-        model_args: the model's constructor arguments (part of the cache key).
-        device: where training runs.
-        batch_size: images per training step (per process).
-        path: ``auto`` or a path's name (forced).
-        precision: ``auto`` (bf16-mixed only where the hardware computes bf16 and it
-            measures faster) or a Lightning precision (forced).
-        include_compiled: whether ``auto`` also times the compiled paths, at the precision
-            the eager paths chose.
-        use_cache: read and write the cache of earlier figures.
-        augment: the training batches' augmentation, timed with each step (see
-            :func:`time_candidates`).
+    """The path and precision to train ``net`` (not modified) with on ``device``, at
+    ``batch_size`` images a step: ``path`` and ``precision`` are ``auto`` or forced;
+    ``model_args`` (the model's constructor arguments) key the cache, read and written
+    with ``use_cache``; ``include_compiled`` lets ``auto`` time the compiled paths;
+    ``augment`` is timed with each step (:func:`time_candidates`).
 
     Raises:
-        ConfigError: an unknown path, or a forced one that cannot run here.
+        ConfigError: a forced path that cannot run here.
     """
     start = time.perf_counter()
     pairs, skipped = candidates(device, path, precision, include_compiled, net)
     if len(pairs) == 1:
         return Choice(*pairs[0], skipped=skipped)
-
-    def figures(timed: list[Pair]) -> tuple[dict[str, float], str]:
-        key = _cache_key(device, model_args, batch_size, timed)
-        cached = _cached(key, timed) if use_cache else None
-        if cached is not None:
-            return cached, "cached"
-        speeds = time_candidates(net, timed, device=device, batch_size=batch_size, augment=augment)
+    key = _cache_key(device, model_args, batch_size, pairs)
+    speeds, how = (_cached(key, pairs) if use_cache else None), "cached"
+    if speeds is None:
+        speeds = time_candidates(net, pairs, device=device, batch_size=batch_size, augment=augment)
+        how = "measured"
         if use_cache:
             _write_cache(key, device, speeds)
-        return speeds, "measured"
-
-    if all(PATHS[p].compiles for p, _ in pairs):
-        # A forced compiled path with precision auto: the precision is chosen on the eager
-        # path that stands for it, rather than compiling once per precision.
-        stand_ins = [(PATHS[p].eager, q) for p, q in pairs]
-        speeds, how = figures(stand_ins)
-        best = max(speeds, key=speeds.get).split(" ")[1]
-        return Choice(pairs[0][0], best, speeds, time.perf_counter() - start, how, skipped)
-    eager = [p for p in pairs if not PATHS[p[0]].compiles]
-    speeds, how = figures(eager)
-    best = max(speeds, key=speeds.get)
-    compiled = [p for p in pairs if PATHS[p[0]].compiles and p[1] == best.split(" ")[1]]
-    if compiled:
-        final, how_compiled = figures([*compiled, tuple(best.split(" "))])
-        speeds.update(final)
-        best = max(final, key=final.get)
-        how = "measured" if "measured" in (how, how_compiled) else "cached"
-    return Choice(*best.split(" "), speeds, time.perf_counter() - start, how, skipped)
+    best = max(speeds, key=speeds.get).split(" ")
+    return Choice(*best, speeds, time.perf_counter() - start, how, skipped)
 
 
 def prepare_speed(module: Any, cfg: DictConfig, datamodule: Any = None) -> Choice:
     """Choose the training path and precision for the run ``cfg`` and put the path's
     forward into ``module.step_forward`` (a LightningModule whose network is ``module.net``).
-    ``datamodule``'s batch augmentation (its ``augment``, when it has one) is timed with
-    each step, as the training loop pays it.
+    ``datamodule``'s batch augmentation (its ``augment``) is timed with each step.
 
-    Reads ``speed.path``, ``speed.compile``, ``speed.cache``, ``trainer.accelerator``,
-    ``trainer.precision``, ``trainer.strategy``, ``trainer.devices``, ``data.batch_size``
-    and ``model``; logs the choice in one line. Under DDP on CPU each process first takes
-    its share of the cores, as Lightning's launcher would at the start of fit.
+    Reads ``speed.*``, ``trainer.accelerator``, ``trainer.precision``, ``trainer.strategy``,
+    ``trainer.devices``, ``data.batch_size`` and ``model``; logs the choice in one line.
 
     Raises:
-        ConfigError: an unknown path, or a forced one that cannot run here.
+        ConfigError: a forced path that cannot run here.
     """
     speed = cfg.get("speed") or {}
     device = torch.device("cuda" if uses_cuda(str(cfg.trainer.get("accelerator"))) else "cpu")
@@ -343,7 +378,7 @@ def prepare_speed(module: Any, cfg: DictConfig, datamodule: Any = None) -> Choic
     ddp = str(cfg.trainer.get("strategy", "auto")).startswith("ddp")
     if device.type == "cpu" and ddp and isinstance(processes, int) and processes > 1:
         # Lightning's DDP launcher gives each process its share of the cores when fit
-        # starts, unless OMP_NUM_THREADS says otherwise; the steps are timed as they will run.
+        # starts (unless OMP_NUM_THREADS says otherwise): the steps are timed as they run.
         if "OMP_NUM_THREADS" not in os.environ:
             affinity = getattr(os, "sched_getaffinity", None)  # not on macOS
             cores = len(affinity(0)) if affinity else os.cpu_count() or 1
@@ -360,15 +395,16 @@ def prepare_speed(module: Any, cfg: DictConfig, datamodule: Any = None) -> Choic
         augment=getattr(datamodule, "augment", None),
     )
     module.step_forward = PATHS[choice.path].build(module.net)
-    # A path that this device offers but that cannot run this model here (its kernel did
-    # not build, pruned heads) is a fallback the user should see before the progress bar.
-    fallen = {
-        name: why
+    # A path this device offers that cannot run this model (its kernel did not build,
+    # pruned heads) is a fallback the user should see before the progress bar.
+    fallen = [
+        f"{name}: {why}"
         for name, why in choice.skipped.items()
         if PATHS[name].unavailable(device) is None and PATHS[name].unsupported(module.net)
-    }
+    ]
     if fallen:
-        reasons = "; ".join(f"{name}: {why}" for name, why in fallen.items())
-        log.warning("speed path %s runs: these cannot run here (%s)", choice.path, reasons)
+        log.warning(
+            "speed path %s runs: these cannot run here (%s)", choice.path, "; ".join(fallen)
+        )
     log.info(choice.describe(device))
     return choice

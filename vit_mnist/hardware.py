@@ -1,8 +1,9 @@
-"""What machine a training step runs on: CPU model, instruction-set class, GPU name;
-which device and precision a run resolves to.
+"""The machine a run is on: CPU model and instruction-set class, GPU name, and the device
+and precision a run's settings resolve to there.
 
-Every speed figure and every cached speed choice is keyed by these, because no path is
-fastest everywhere (docs/speed.md).
+Run records, the results table and every speed figure name the hardware with these, and
+the speed layer keys its cached choices by them, because no training path is fastest
+everywhere (docs/speed.md).
 """
 
 from __future__ import annotations
@@ -16,46 +17,29 @@ import torch
 
 
 @lru_cache(maxsize=1)
-def cpuinfo_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (``avx2``, ``avx512f``, ...; ARM's
-    ``Features``); empty where there is no such file."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (Linux); empty where there is none."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return frozenset(line.split(":", 1)[1].split())
+            key, sep, value = line.partition(":")
+            if sep:
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return frozenset()
+    return fields
+
+
+def cpuinfo_flags() -> frozenset[str]:
+    """The CPU's feature flags (``avx2``, ``avx512f``, ...; ARM's ``Features``); empty where
+    /proc/cpuinfo is missing."""
+    info = _cpuinfo()
+    return frozenset((info.get("flags") or info.get("Features") or "").split())
 
 
 def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo (Linux), else ``platform.processor()``."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def isa_class() -> str:
-    """The instruction-set class PyTorch's CPU kernels run with here.
-
-    One of ``AMX``, ``AVX512-BF16``, ``AVX-512``, ``AVX2``, ``ARM`` (with ``SVE`` when
-    PyTorch uses it) or ``default``. Follows ``ATEN_CPU_CAPABILITY``: with ``avx2`` set on
-    an AVX-512 machine this says ``AVX2``, as PyTorch's kernels (and inductor's generated
-    code) then use AVX2 only.
-    """
-    capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "SVE256", ...
-    machine = platform.machine().lower()
-    if machine in ("arm64", "aarch64"):
-        return "ARM SVE" if capability.startswith("SVE") else "ARM"
-    if capability == "AVX512":
-        return cpu_class()
-    if capability == "AVX2":
-        return "AVX2"
-    return "default"
+    """The CPU's model name from /proc/cpuinfo, else ``platform.processor()``."""
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 def cpu_class() -> str:
@@ -63,34 +47,38 @@ def cpu_class() -> str:
     ``ATEN_CPU_CAPABILITY`` says: ``AMX``, ``AVX512-BF16``, ``AVX-512``, ``AVX2`` or
     ``default``."""
     flags = cpuinfo_flags()
-    if "amx_tile" in flags and "amx_bf16" in flags:
+    if {"amx_tile", "amx_bf16"} <= flags:
         return "AMX"
     if "avx512f" in flags:
         return "AVX512-BF16" if "avx512_bf16" in flags else "AVX-512"
     return "AVX2" if "avx2" in flags else "default"
 
 
+def isa_class() -> str:
+    """The instruction-set class PyTorch's CPU kernels run with here: one of
+    :func:`cpu_class`'s names, or ``ARM`` (``ARM SVE`` where PyTorch uses SVE). Follows
+    ``ATEN_CPU_CAPABILITY``: with ``avx2`` on an AVX-512 machine this says ``AVX2``, as
+    PyTorch's kernels (and inductor's generated code) then use AVX2 only."""
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "SVE256", ...
+    if platform.machine().lower() in ("arm64", "aarch64"):
+        return "ARM SVE" if capability.startswith("SVE") else "ARM"
+    return {"AVX512": cpu_class(), "AVX2": "AVX2"}.get(capability, "default")
+
+
 def has_native_bf16(on_cuda: bool) -> bool:
     """Whether this machine computes in bfloat16 natively: a CUDA GPU from Ampere on, or a
-    CPU class AVX512-BF16 or AMX (oneDNN's bf16 matrix products run at 2 to 4 times the
-    float32 rate there). Elsewhere bf16 is emulated, and 10x slower than float32 on a Zen 3
+    CPU of class AVX512-BF16 or AMX (oneDNN's bf16 matrix products run at 2 to 4 times the
+    float32 rate there). Elsewhere bf16 is emulated, about 10x slower than float32 on a Zen 3
     (docs/speed.md). Follows ``ATEN_CPU_CAPABILITY`` like :func:`isa_class`."""
     if on_cuda:
         return torch.cuda.is_bf16_supported(including_emulation=False)
     return isa_class() in ("AVX512-BF16", "AMX")
 
 
-def describe_hardware(device: torch.device) -> str:
-    """One line naming the hardware: ``AMD EPYC (AVX512-BF16), 2 threads`` or the GPU's name."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    threads = torch.get_num_threads()
-    return f"{cpu_name()} ({isa_class()}), {threads} thread{'s' if threads != 1 else ''}"
-
-
 def hardware_key(device: torch.device) -> str:
-    """What a speed measurement depends on besides the model: the CPU model and the
-    instruction-set flags that matter, or the GPU's name, and the torch version."""
+    """What a speed measurement depends on besides the model: the CPU model, the
+    instruction-set flags that matter and the thread count, or the GPU's name; and the
+    torch version."""
     if device.type == "cuda":
         what = f"cuda:{torch.cuda.get_device_name(device)}"
     else:
@@ -125,9 +113,9 @@ def describe_device(device: torch.device, processes: int = 1) -> str:
         return f"cuda ({name})" if processes == 1 else f"cuda ({processes} x {name})"
     threads = torch.get_num_threads()
     per_process = f"{threads} thread{'s' if threads != 1 else ''}"
+    if processes > 1:
+        per_process = f"{processes} processes x {per_process}"
     cls, running = cpu_class(), isa_class()
     if cls != "default" and running != cls:  # an x86 CPU run as a lower class
         cls = f"{running} on {cls}"
-    if processes == 1:
-        return f"cpu ({cpu_name()}, {cls}, {per_process})"
-    return f"cpu ({cpu_name()}, {cls}, {processes} processes x {per_process})"
+    return f"cpu ({cpu_name()}, {cls}, {per_process})"
