@@ -52,6 +52,7 @@ def test_kernel_gives_pytorchs_numbers(dim, branch_dtype, bf16_out):
     # 21 rows: not a multiple of the 4 rows the forward takes at a time; D = 20 and 100
     # end in a part-filled vector.
     norm, x, branch = seeded(dim, branch_dtype)
+    assert native.add_norm_usable(x, branch, norm)  # the kernel, not PyTorch's fallback
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_out):
         s, y = native.add_norm(x, branch, norm, for_linear=True)
     ref_s, ref_y = pytorch_add_norm(x, branch, norm, bf16_out)
