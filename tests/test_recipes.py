@@ -162,13 +162,15 @@ def test_stochastic_depth_rates_and_modes():
 # ---------------------------------------------------------------- experiments
 
 
-@pytest.mark.parametrize("name", ["mnist_best", "fashion_best", "mnist_cpu_best"])
+@pytest.mark.parametrize(
+    "name", ["mnist_best", "fashion_best", "mnist_cpu_best", "fashion_cpu_best"]
+)
 def test_best_recipes_stay_under_two_million_parameters(tmp_path, name):
     cfg = compose_config("train", [f"experiment={name}"], tmp_path)
     model = VisionTransformer(**{k: v for k, v in cfg.model.items() if k != "compile"})
     assert sum(p.numel() for p in model.parameters()) <= 2_000_000
     dm = instantiate(cfg.data)
-    expected = FashionMNISTDataModule if name == "fashion_best" else type(dm)
+    expected = FashionMNISTDataModule if name.startswith("fashion") else type(dm)
     assert isinstance(dm, expected) and dm.augment is not None
     # The checkpoint that is tested is chosen on the validation split.
     assert cfg.callbacks.model_checkpoint.monitor == "val/acc"
