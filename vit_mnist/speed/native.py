@@ -132,9 +132,11 @@ def library(kernel: str, target: str | None, *defines: str) -> Any:
     if kernel == "attention":
         lib.attn_forward.argtypes = [i32, *rows * 4, ptr, *end, i32, i32]
         lib.attn_backward.argtypes = [i32, *rows * 3, ptr, *rows * 4, *end, i32]
+        lib.attn_forward.restype = lib.attn_backward.restype = None  # void
         return lib if lib.attn_lanes() == LANES[target] else None
     lib.add_norm_forward.argtypes = [i32, i32, i64, i64, *[ptr] * 8, f32, i32]
     lib.add_norm_backward.argtypes = [i32, i32, i64, i64, *[ptr] * 11, i32]
+    lib.add_norm_forward.restype = lib.add_norm_backward.restype = None  # void
     return lib if lib.add_norm_available() else None  # 0 without AVX-512 F, BW and VL
 
 
