@@ -198,20 +198,20 @@ def _qkv_args(q_src: torch.Tensor, kv_src: torch.Tensor | None, num_heads: int):
 class FusedCPUAttention(torch.autograd.Function):
     """softmax(Q K^T * scale) V for all heads, forward and backward in the C++ kernel.
 
-    Inputs as :func:`kernel_for` takes them (it must not be None); query i is token i, for
-    the causal mask. Output: (B, T_q, D), heads concatenated (ready for W^O). Saves the
-    weights (B*h, T_q, T_k rounded up to a multiple of :func:`lanes`) in the inputs' dtype.
+    Inputs: ``lib``, the library :func:`kernel_for` gave for ``q_src`` and ``kv_src`` (not
+    None), and those as it takes them; query i is token i, for the causal mask. Output:
+    (B, T_q, D), heads concatenated (ready for W^O). Saves the weights (B*h, T_q, T_k
+    rounded up to a multiple of :func:`lanes`) in the inputs' dtype.
     """
 
     @staticmethod
-    def forward(ctx, q_src, kv_src, num_heads: int, scale: float, causal: bool):  # noqa: D102
-        b, t_q = q_src.shape[:2]
-        t_k = q_src.shape[1] if kv_src is None else kv_src.shape[1]
-        out = q_src.new_empty(b, t_q, q_src.shape[-1] // (3 if kv_src is None else 1))
-        weights = q_src.new_empty(b * num_heads, t_q, -(-t_k // lanes()) * lanes())
+    def forward(ctx, lib, q_src, kv_src, num_heads: int, scale: float, causal: bool):  # noqa: D102
         args, sizes = _qkv_args(q_src, kv_src, num_heads)
-        kernel = kernel_for(q_src, kv_src, num_heads).attn_forward
-        kernel(
+        b, h, t_q, t_k, d = sizes
+        width = lanes()
+        out = q_src.new_empty(b, t_q, h * d)
+        weights = q_src.new_empty(b * h, t_q, -(-t_k // width) * width)
+        lib.attn_forward(
             *args,
             *_rows(out),
             weights.data_ptr(),
@@ -221,14 +221,14 @@ class FusedCPUAttention(torch.autograd.Function):
             torch.get_num_threads(),
         )
         ctx.save_for_backward(q_src, kv_src, weights)
-        ctx.meta = (num_heads, scale)
+        ctx.meta = (lib, num_heads, scale)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):  # noqa: D102
         q_src, kv_src, weights = ctx.saved_tensors
-        num_heads, scale = ctx.meta
+        lib, num_heads, scale = ctx.meta
         grad_q_src = torch.empty_like(q_src)
         grad_kv_src = None if kv_src is None else torch.empty_like(kv_src)
         args, sizes = _qkv_args(q_src, kv_src, num_heads)
@@ -236,9 +236,9 @@ class FusedCPUAttention(torch.autograd.Function):
             *_rows(grad_out.contiguous()),
             *_qkv_args(grad_q_src, grad_kv_src, num_heads)[0][1:],
         ]
-        kernel = kernel_for(q_src, kv_src, num_heads).attn_backward
-        kernel(*args, weights.data_ptr(), *grads, *sizes, scale, torch.get_num_threads())
-        return grad_q_src, grad_kv_src, None, None, None
+        threads = torch.get_num_threads()
+        lib.attn_backward(*args, weights.data_ptr(), *grads, *sizes, scale, threads)
+        return None, grad_q_src, grad_kv_src, None, None, None
 
 
 def _norm_kernel(dim: int) -> Any:
@@ -332,8 +332,11 @@ def native_core(attn, q_src: torch.Tensor, kv_src: torch.Tensor | None = None) -
     """An :data:`~vit_mnist.speed.forward.AttentionCore`: the attention kernel where it
     takes the inputs and a backward follows, the explicit arithmetic otherwise."""
     heads = attn.num_heads
-    if written_backward_applies(attn, q_src, kv_src) and kernel_for(q_src, kv_src, heads):
-        return FusedCPUAttention.apply(q_src, kv_src, heads, attn.scale, attn.causal)
+    lib = (
+        kernel_for(q_src, kv_src, heads) if written_backward_applies(attn, q_src, kv_src) else None
+    )
+    if lib is not None:
+        return FusedCPUAttention.apply(lib, q_src, kv_src, heads, attn.scale, attn.causal)
     return explicit_core(attn, q_src, kv_src)
 
 
