@@ -149,6 +149,16 @@ def test_compiled_paths_evaluate_without_compiling(name, monkeypatch):
         torch.testing.assert_close(forward(x), net(x), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("device, mode", [("cpu", None), ("cuda", "reduce-overhead")])
+def test_the_compiled_step_uses_cuda_graphs_on_cuda_only(device, mode, monkeypatch):
+    """On CUDA the compiled path is the ecosystem's CUDA-graph path; on a CPU, inductor's
+    default (a CPU has no graphs to replay)."""
+    asked = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: asked.append(kwargs) or fn)
+    step = choose_mod.compile_step(lambda x: x + 1, torch.device(device))
+    assert asked == [{"dynamic": True, "mode": mode}] and step(1) == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("bf16", [False, True])

@@ -139,7 +139,7 @@ def test_compile_path_keeps_plain_checkpoints(make_train_cfg, monkeypatch):
     # One graph, the training step's: validation and test run eagerly. A second meant a
     # recompile, as when einops met the cls_token Parameter.
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    assert len(compiled) == 1 and compiled[0][1] == {"dynamic": True}
+    assert len(compiled) == 1 and compiled[0][1] == {"dynamic": True, "mode": None}
     state = read_checkpoint(metrics["best_ckpt"])["state_dict"]
     assert state and all(k.startswith("net.") for k in state)
     ViTClassifier.load_from_checkpoint(metrics["best_ckpt"], map_location="cpu", weights_only=True)
