@@ -163,7 +163,8 @@ def test_stochastic_depth_rates_and_modes():
 
 
 @pytest.mark.parametrize(
-    "name", ["mnist_best", "fashion_best", "mnist_cpu_best", "fashion_cpu_best"]
+    "name",
+    ["mnist_best", "fashion_best", "mnist_cpu_best", "mnist_cpu_distilled", "fashion_cpu_best"],
 )
 def test_best_recipes_stay_under_two_million_parameters(tmp_path, name):
     cfg = compose_config("train", [f"experiment={name}"], tmp_path)
@@ -174,8 +175,19 @@ def test_best_recipes_stay_under_two_million_parameters(tmp_path, name):
     assert isinstance(dm, expected) and dm.augment is not None
     # The checkpoint that is tested is chosen on the validation split.
     assert cfg.callbacks.model_checkpoint.monitor == "val/acc"
-    if name == "mnist_cpu_best":  # ... from every epoch, not only the last (the speedrun's)
+    if name.startswith("mnist_cpu"):  # ... from every epoch, not only the last (the speedrun's)
         assert cfg.trainer.check_val_every_n_epoch == 1 < cfg.trainer.max_epochs
+
+
+def test_the_distilled_recipe_is_mnist_cpu_best_with_a_distillation_token(tmp_path):
+    best = compose_config("train", ["experiment=mnist_cpu_best"], tmp_path)
+    distilled = compose_config("train", ["experiment=mnist_cpu_distilled"], tmp_path)
+    assert distilled.model.distillation and not best.model.distillation
+    assert distilled.task_name == "mnist_cpu_distilled"
+    assert distilled.trainer.max_epochs < best.trainer.max_epochs  # the teacher's cost
+    distilled.trainer.max_epochs = best.trainer.max_epochs
+    for key in ("data", "module", "trainer", "speed"):
+        assert distilled[key] == best[key], key
 
 
 def test_heads_sweep_is_a_multirun_over_heads_and_seeds():
