@@ -232,6 +232,18 @@ def fake_run(path, *, heads, seed, acc, val=0.9, dataset="mnist", extra=(), more
     (path / "metrics.json").write_text(json.dumps(metrics))
 
 
+def test_results_table_gives_a_distilled_rows_teacher(tmp_path):
+    teacher = tmp_path / "teacher"
+    (teacher / "checkpoints").mkdir(parents=True)
+    (teacher / "metrics.json").write_text(json.dumps({"test/acc": 0.9967, "fit_time_s": 401.2}))
+    ckpt = teacher / "checkpoints" / "best.ckpt"
+    fake_run(tmp_path / "student", heads=4, seed=1, acc=0.99, extra=[f"module.teacher_ckpt={ckpt}"])
+    fake_run(tmp_path / "plain", heads=4, seed=1, acc=0.99)
+    table = markdown_table(group_rows(find_runs([tmp_path / "student", tmp_path / "plain"])))
+    student, plain = table.splitlines()[2:]
+    assert "| 99.67%, 401 s |" in student and "| - |" in plain
+
+
 def test_results_table_groups_seeds_and_reports_mean_and_std(tmp_path):
     accs = {1: [0.97, 0.98, 0.99], 4: [0.99, 0.99, 0.99]}
     job = 0

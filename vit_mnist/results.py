@@ -91,6 +91,20 @@ class Row:
         multirun = " -m" if len(seeds) > 1 else ""
         return f"{head} train.py{multirun}{rest} seed={','.join(map(str, seeds))}"
 
+    def teacher(self) -> str:
+        """The distillation teacher's test accuracy (%) and fitting time (s), read from the
+        run dir its checkpoint (``module.teacher_ckpt=`` on the command line) was written
+        in; ``-`` for a run without one."""
+        given = (o for o in self.runs[0].overrides if o.startswith("module.teacher_ckpt="))
+        ckpt = next(given, "=").partition("=")[2]
+        if not ckpt:
+            return "-"
+        try:
+            m = json.loads((Path(ckpt).parent.parent / "metrics.json").read_text())
+            return f"{100 * m['test/acc']:.2f}%, {_seconds(m['fit_time_s'])} s"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "no metrics.json beside its checkpoint"
+
     def markdown(self) -> list[str]:
         m = self.first
         seeds = sorted(r.seed for r in self.runs)
@@ -114,6 +128,7 @@ class Row:
             _seconds(statistics.fmean(command)) if command else "-",
             test,
             f"{100 * statistics.fmean(val):.2f}" if val else "-",
+            self.teacher(),
             f"`{self.command()}`",
         ]
 
@@ -201,6 +216,7 @@ HEADER = [
     "whole command (s, mean)",
     "test acc % (mean +- std over seeds)",
     "best val acc % (mean)",
+    "teacher: test acc, fitting time",
     "command",
 ]
 
