@@ -91,14 +91,15 @@ def _compiled(net: nn.Module) -> Callable[..., Any]:
     """:func:`vit_forward` compiled by :func:`compile_step` at the first training step, for
     the device it runs on. Without gradients (validation, test) it runs eagerly: a graph of
     its own would cost a first compile (11 to 27 s on 2 cores) for seconds of a run."""
-    compiled: list[Callable[..., Any]] = []
+    compiled = None
 
     def forward(x: torch.Tensor, heads: bool = False) -> Any:
+        nonlocal compiled
         if not torch.is_grad_enabled():
             return vit_forward(net, x, heads=heads)
-        if not compiled:
-            compiled.append(compile_step(functools.partial(vit_forward, net), x.device))
-        return compiled[0](x, heads=heads)
+        if compiled is None:
+            compiled = compile_step(functools.partial(vit_forward, net), x.device)
+        return compiled(x, heads=heads)
 
     return forward
 
