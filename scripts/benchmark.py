@@ -95,7 +95,7 @@ class OnPath(nn.Module):
     def __init__(self, net: VisionTransformer, path: str) -> None:
         super().__init__()
         self.net = net
-        object.__setattr__(self, "step_forward", PATHS[path].build(net))
+        self.step_forward = PATHS[path].build(net)  # a function, not a submodule
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.step_forward(x)
@@ -148,11 +148,11 @@ class Compiled(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
-        object.__setattr__(self, "step", None)
+        self.step = None  # compiled at the first step, for its device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.step is None:
-            object.__setattr__(self, "step", compile_step(self.model, x.device))
+            self.step = compile_step(self.model, x.device)
         return self.step(x)
 
 
