@@ -206,6 +206,29 @@ def test_heads_sweep_is_a_multirun_over_heads_and_seeds():
     assert all(cfg.model.embed_dim % h == 0 for h in (1, 2, 4, 8, 16))
 
 
+@pytest.mark.parametrize(
+    "study, task", [("mnist_optuna", "train"), ("fashion_optuna", "fashion_cpu_best")]
+)
+def test_every_study_searches_keys_of_the_recipe_it_tunes_on_validation_only(study, task):
+    """A misspelt key in a study's search space would make each trial a run of its own
+    recipe with an unknown key, so every searched key must already be in the config."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from tests.conftest import CONFIG_DIR
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", [f"hparams_search={study}"], return_hydra_config=True)
+    assert cfg.optimized_metric.startswith("val/") and cfg.test is False
+    assert cfg.task_name == task and cfg.hydra.sweeper.study_name == study
+    params = cfg.hydra.sweeper.params
+    assert len(params) >= 5
+    for key in params:
+        assert OmegaConf.select(cfg, key) is not None, key
+
+
 # ---------------------------------------------------------------- results
 
 
