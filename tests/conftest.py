@@ -42,11 +42,16 @@ ONE_EPOCH = [
 ]
 
 
-def compose_config(name: str, overrides: list[str], output_dir: Path) -> DictConfig:
-    """Compose ``configs/<name>.yaml`` as ``python <name>.py`` would, run dir at ``output_dir``."""
+def compose_with_hydra(name: str, overrides: list[str]) -> DictConfig:
+    """``configs/<name>.yaml`` composed with ``overrides``, its ``hydra`` section included."""
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name=name, overrides=overrides, return_hydra_config=True)
+        return compose(config_name=name, overrides=overrides, return_hydra_config=True)
+
+
+def compose_config(name: str, overrides: list[str], output_dir: Path) -> DictConfig:
+    """Compose ``configs/<name>.yaml`` as ``python <name>.py`` would, run dir at ``output_dir``."""
+    cfg = compose_with_hydra(name, overrides)
     # Resolves ${hydra:...} interpolations outside of @hydra.main.
     HydraConfig().set_config(cfg)
     with open_dict(cfg):

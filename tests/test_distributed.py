@@ -12,11 +12,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import CONFIG_DIR, ROOT, TINY_MODEL, compose_config
+from tests.conftest import ROOT, TINY_MODEL, compose_config, compose_with_hydra
 from tests.helpers import in_process
 from vit_mnist.checkpointing import read_checkpoint
 from vit_mnist.evaluate import evaluate
@@ -196,13 +194,7 @@ def test_launcher_writes_one_run_dir_per_job(
 
 def test_slurm_launcher_preset_composes():
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(
-            config_name="train",
-            overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
-            return_hydra_config=True,
-        )
+    cfg = compose_with_hydra("train", ["hydra/launcher=slurm", "hydra.launcher.partition=gpu"])
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert launcher.partition == "gpu" and launcher.tasks_per_node == 1
@@ -220,9 +212,7 @@ def test_ddp_in_a_local_multirun_starts_its_processes_as_this_job(monkeypatch, t
 
     from vit_mnist.cli import prepare_ddp_launch
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", ["trainer=ddp", "seed=2"], return_hydra_config=True)
+    cfg = compose_with_hydra("train", ["trainer=ddp", "seed=2"])
     cfg.hydra.mode = RunMode.MULTIRUN
     cfg.hydra.runtime.output_dir = str(tmp_path / "sweep" / "1")
     HydraConfig().set_config(cfg)

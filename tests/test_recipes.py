@@ -13,7 +13,7 @@ import torch
 import yaml
 from hydra.utils import instantiate
 
-from tests.conftest import DATA_DIR, compose_config
+from tests.conftest import DATA_DIR, compose_config, compose_with_hydra
 from vit_mnist.data import FashionMNISTDataModule, sources
 from vit_mnist.data.augment import BatchAugment, BatchRandomAffine, BatchRandomErasing
 from vit_mnist.errors import ConfigError, DataError
@@ -191,15 +191,9 @@ def test_the_distilled_recipe_is_mnist_cpu_best_with_a_distillation_token(tmp_pa
 
 
 def test_heads_sweep_is_a_multirun_over_heads_and_seeds():
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
-    from tests.conftest import CONFIG_DIR
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", ["experiment=heads_sweep"], return_hydra_config=True)
+    cfg = compose_with_hydra("train", ["experiment=heads_sweep"])
     assert cfg.hydra.mode == RunMode.MULTIRUN and cfg.model.embed_dim == 64
     params = cfg.hydra.sweeper.params
     assert params["model.num_heads"] == "1,2,4,8,16" and params.seed == "1,2,3"
@@ -212,15 +206,9 @@ def test_heads_sweep_is_a_multirun_over_heads_and_seeds():
 def test_every_study_searches_keys_of_the_recipe_it_tunes_on_validation_only(study, task):
     """Every key a study searches is a key of the recipe it tunes (a misspelt one would
     surface only when the first trial starts), ranked on a validation metric, test off."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from tests.conftest import CONFIG_DIR
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", [f"hparams_search={study}"], return_hydra_config=True)
+    cfg = compose_with_hydra("train", [f"hparams_search={study}"])
     assert cfg.optimized_metric.startswith("val/") and cfg.test is False
     assert cfg.task_name == task and cfg.hydra.sweeper.study_name == study
     params = cfg.hydra.sweeper.params
