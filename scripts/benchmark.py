@@ -246,16 +246,14 @@ def build(builder, arch: dict, device: torch.device, bf16: bool, batch: int) -> 
 
 
 def auto_choice(arch: dict, device: torch.device, bf16: bool, batch: int, compiled: bool):
-    """What ``speed.path=auto`` picks here at this precision (timed now, the choice cache
-    unused), with ``speed.compile`` set to ``compiled``."""
+    """What ``speed.path=auto`` picks here at this precision, with ``speed.compile`` set to
+    ``compiled``."""
     return choose(
         reference_vit(**arch),
-        model_args={**arch, "patch_size": PATCH},
         device=device,
         batch_size=batch,
         precision="bf16-mixed" if bf16 else "32-true",
         include_compiled=compiled,
-        use_cache=False,
     )
 
 

@@ -116,17 +116,6 @@ def one_round_auto(monkeypatch):
     monkeypatch.setattr(choose, "time_candidates", timing)
 
 
-@pytest.fixture
-def fresh_speed_cache(tmp_path, monkeypatch) -> Path:
-    """A speed cache with no speed choice in it, for a test of ``auto``'s measuring; the
-    kernels built so far stay shared (see _private_cache)."""
-    cache = tmp_path / "speed_cache"
-    cache.mkdir()
-    (cache / "kernels").symlink_to(Path(os.environ["VIT_MNIST_CACHE"]) / "kernels")
-    monkeypatch.setenv("VIT_MNIST_CACHE", str(cache))
-    return cache
-
-
 @pytest.fixture(autouse=True)
 def _deterministic_mode_put_back():
     """``trainer.deterministic=true`` turns on torch's deterministic algorithms for the

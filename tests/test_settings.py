@@ -92,7 +92,7 @@ BAD = [
     ("train", ["data.augment.scale=[0,1]"], ["data.augment.scale=[0,1]", "> 0"]),
     ("train", ["data.augment.elastic_alpha=-1"], ["data.augment.elastic_alpha=-1", ">= 0"]),
     ("train", ["data.augment.elastic_sigma=0"], ["data.augment.elastic_sigma=0", "> 0"]),
-    ("train", ["speed.cache=sometimes"], ["speed.cache=sometimes", "true or false"]),
+    ("train", ["speed.compile=sometimes"], ["speed.compile=sometimes", "true or false"]),
     # More than 4 pixels moves a digit's stroke out of the frame (issue 55: 12.7% at 100).
     ("train", ["module.test_time_shift=100"], ["module.test_time_shift=100", "in [0, 4]"]),
     ("evaluate", ["ckpt_path=x", "test_time_shift=5"], ["test_time_shift=5", "in [0, 4]"]),

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -224,7 +223,6 @@ def test_forced_path_is_not_timed(monkeypatch):
     net = VisionTransformer(patch_size=7, **TINY)
     choice = choose(
         net,
-        model_args=TINY,
         device=CPU,
         batch_size=8,
         path="fused",
@@ -252,8 +250,7 @@ def test_auto_leaves_out_what_cannot_run_or_compiles(monkeypatch):
     assert pairs == [("handwritten", "32-true"), ("handwritten", "bf16-mixed")]
 
 
-def test_auto_measures_picks_the_fastest_and_caches(tmp_path, monkeypatch, one_round_auto):
-    monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
+def test_auto_measures_and_picks_the_fastest(monkeypatch, one_round_auto):
     monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: False)
     # Real timing (one_round_auto). No native paths: their kernels would be built afresh
     # into this test's cache folder.
@@ -262,22 +259,13 @@ def test_auto_measures_picks_the_fastest_and_caches(tmp_path, monkeypatch, one_r
     net = VisionTransformer(patch_size=7, **TINY)
     state = {k: v.clone() for k, v in net.state_dict().items()}
     rng = torch.get_rng_state()
-    args = dict(model_args=TINY, device=CPU, batch_size=16)
-    first = choose(net, **args)
-    assert first.how == "measured"
+    first = choose(net, device=CPU, batch_size=16)
+    assert first.how == "measured" and "measured in" in first.describe(CPU)
     assert first.images_per_s[f"{first.path} {first.precision}"] == max(first.images_per_s.values())
     assert set(first.images_per_s) >= {"reference 32-true", "fused 32-true"}
     # The timing ran on a copy and put the random-number state back.
     assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
     assert torch.equal(torch.get_rng_state(), rng)
-    assert (tmp_path / "speed_choices.json").is_file()
-    start = time.perf_counter()
-    second = choose(net, **args)
-    assert second.how == "cached" and time.perf_counter() - start < 1.0
-    assert (second.path, second.precision) == (first.path, first.precision)
-    assert "cached in" in second.describe(CPU)
-    # Another batch size is another measurement.
-    assert choose(net, **{**args, "batch_size": 8}).how == "measured"
 
 
 def test_isa_class_follows_aten_cpu_capability():
@@ -363,27 +351,6 @@ def test_handwritten_core_under_bf16_autocast_matches_float32():
     assert (grad_bf16 - grad_ref).abs().max() < 0.03 * grad_ref.abs().max()
 
 
-def test_a_damaged_cache_is_measured_again(tmp_path, monkeypatch):
-    monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
-    monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: False)
-    monkeypatch.setattr(
-        choose_mod, "time_candidates", lambda net, pairs, **k: {f"{p} {q}": 1.0 for p, q in pairs}
-    )
-    net = VisionTransformer(patch_size=7, **TINY)
-    args = dict(model_args=TINY, device=CPU, batch_size=8)
-    pairs = choose_mod.candidates(CPU, "auto", "auto", False)[0]
-    key = choose_mod._cache_key(CPU, TINY, 8, pairs)
-    no_candidate = {key: {"path": "warp"}}  # an entry under the right key
-    not_numbers = {key: {"images_per_s": {f"{p} {q}": True for p, q in pairs}}}
-    # An entry of an older version: figures timed under a malloc mode, under another key.
-    old = {"0" * 24: {"allocator": "retain", "images_per_s": {"retain": 1.0}}}
-    damages = [json.dumps(no_candidate), json.dumps(not_numbers), json.dumps(old)]
-    for damage in ("[1, 2]", "not json", *damages):
-        (tmp_path / "speed_choices.json").write_text(damage)
-        assert choose(net, **args).how == "measured"
-    assert choose(net, **args).how == "cached"
-
-
 def _fake_timing(speeds: dict[str, float], calls: list):
     """A stand-in for time_candidates: the given images/s, and the pairs it was asked for."""
 
@@ -405,7 +372,7 @@ def test_compiled_paths_are_timed_only_with_speed_compile(tmp_path, monkeypatch)
     calls: list = []
     monkeypatch.setattr(choose_mod, "time_candidates", _fake_timing(speeds, calls))
     net = VisionTransformer(patch_size=7, **TINY)
-    args = dict(model_args=TINY, device=CPU, batch_size=100)
+    args = dict(device=CPU, batch_size=100)
     # speed.compile=false (the default): the eager paths only, and the reason logged.
     plain = choose(net, **args)
     assert (plain.path, plain.precision) == ("handwritten", "bf16-mixed")
@@ -420,9 +387,6 @@ def test_compiled_paths_are_timed_only_with_speed_compile(tmp_path, monkeypatch)
     assert (compiled.path, compiled.precision) == ("compile", "bf16-mixed")
     assert compiled.how == "measured"
     assert compiled.images_per_s["compile bf16-mixed"] == 3000.0
-    # Run again: the figures come from the cache.
-    again = choose(net, **args, include_compiled=True)
-    assert (again.path, again.how, len(calls)) == ("compile", "cached", 2)
 
 
 def test_a_forced_compiled_path_with_precision_auto_compiles_once(monkeypatch):
@@ -435,7 +399,7 @@ def test_a_forced_compiled_path_with_precision_auto_compiles_once(monkeypatch):
         monkeypatch.setattr(
             "vit_mnist.speed.choose.has_native_bf16", lambda on_cuda, bf16=bf16: bf16
         )
-        choice = choose(net, model_args=TINY, device=CPU, batch_size=8, path="compile")
+        choice = choose(net, device=CPU, batch_size=8, path="compile")
         assert (choice.path, choice.precision, choice.how) == ("compile", precision, "forced")
     assert calls == []
 
@@ -468,10 +432,42 @@ def test_timing_interleaves_every_candidate_over_every_round(monkeypatch):
     speeds = choose_mod.time_candidates(
         net, pairs, device=CPU, batch_size=4, rounds=3, steps=2, min_round_s=0.0, budget_s=1e9
     )
-    # A step of the slow path sleeps 0.1 s: its best round cannot beat 4 images / 0.1 s.
+    # A step of the slow path sleeps 0.1 s: no round of it can beat 4 images / 0.1 s.
     assert 0 < speeds["slow 32-true"] <= 4 / 0.1 and speeds["reference 32-true"] > 0
     # One untimed first step each, then three rounds of two steps each.
     assert steps == {"reference": 7, "slow": 7}
+
+
+def test_a_candidate_counts_with_its_median_round_not_a_lucky_one(monkeypatch):
+    """One fast round among slow ones (a quiet moment on a shared machine) does not set the
+    figure: the loop that follows runs at the typical round's speed."""
+    delays = iter([0.05, 0.002, 0.05, 0.05])  # the untimed first step, then three rounds
+
+    def build(net):
+        def forward(x):
+            time.sleep(next(delays))
+            return net(x)
+
+        return forward
+
+    import dataclasses
+
+    monkeypatch.setattr(
+        choose_mod, "PATHS", {"lucky": dataclasses.replace(PATHS["reference"], build=build)}
+    )
+    net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
+    speeds = choose_mod.time_candidates(
+        net,
+        [("lucky", "32-true")],
+        device=CPU,
+        batch_size=4,
+        rounds=3,
+        steps=1,
+        min_round_s=0.0,
+        budget_s=1e9,
+    )
+    # The lucky round alone ran at about 4 / 0.002 = 2,000 images/s; the others at 80.
+    assert 0 < speeds["lucky 32-true"] <= 4 / 0.05
 
 
 def test_timing_pays_the_loops_augmentation_in_every_step(monkeypatch):
@@ -494,7 +490,7 @@ def test_timing_pays_the_loops_augmentation_in_every_step(monkeypatch):
     model = dict(patch_size=14, embed_dim=16, depth=1, num_heads=2)
     cfg = OmegaConf.create(
         {
-            "speed": {"path": "auto", "compile": False, "cache": False},
+            "speed": {"path": "auto", "compile": False},
             "trainer": {"accelerator": "cpu", "precision": "32-true"},
             "data": {"batch_size": 4},
             "model": model,
@@ -521,7 +517,7 @@ def test_under_cpu_ddp_each_process_times_its_steps_on_its_share_of_the_cores(mo
         model = dict(patch_size=14, embed_dim=16, depth=1, num_heads=2)
         cfg = OmegaConf.create(
             {
-                "speed": {"path": "reference", "compile": False, "cache": False},
+                "speed": {"path": "reference", "compile": False},
                 "trainer": {
                     "accelerator": "cpu",
                     "strategy": "ddp",
@@ -604,7 +600,7 @@ def test_prepare_speed_sets_the_step_and_leaves_the_checkpoint_keys_alone():
             continue
         cfg = OmegaConf.create(
             {
-                "speed": {"path": name, "compile": False, "cache": False},
+                "speed": {"path": name, "compile": False},
                 "trainer": {"accelerator": "cpu", "precision": "32-true"},
                 "data": {"batch_size": 4},
                 "model": model,

@@ -103,9 +103,7 @@ def test_fused_attention_and_bf16_train(make_train_cfg):
 
 
 @pytest.mark.isa
-def test_auto_chooses_path_and_precision_by_measurement_then_from_the_cache(
-    make_train_cfg, tmp_path, fresh_speed_cache, one_round_auto
-):
+def test_auto_chooses_path_and_precision_by_measurement(make_train_cfg, one_round_auto):
     from vit_mnist.hardware import has_native_bf16
 
     overrides = ["speed.path=auto", "trainer.precision=auto", "trainer.max_epochs=1", "test=false"]
@@ -115,9 +113,6 @@ def test_auto_chooses_path_and_precision_by_measurement_then_from_the_cache(
     assert first["speed_path"] + " " + first["precision"] == max(timed, key=timed.get)
     # bf16 is a candidate only where the hardware computes it.
     assert any("bf16" in k for k in timed) == has_native_bf16(False)
-    second = train(make_train_cfg(*overrides, output_dir=tmp_path / "again"))
-    assert second["speed_choice"] == "cached" and second["speed_choice_s"] < 1.0
-    assert (second["speed_path"], second["precision"]) == (first["speed_path"], first["precision"])
 
 
 def test_compile_path_keeps_plain_checkpoints(make_train_cfg, monkeypatch):

@@ -1,9 +1,8 @@
 """The machine a run is on: CPU model and instruction-set class, GPU name, and the device
 and precision a run's settings resolve to there.
 
-Run records, the results table and every speed figure name the hardware with these, and
-the speed layer keys its cached choices by them, because no training path is fastest
-everywhere (docs/speed.md).
+Run records, the results table and every speed figure name the hardware with these,
+because no training path is fastest everywhere (docs/speed.md).
 """
 
 from __future__ import annotations
@@ -73,18 +72,6 @@ def has_native_bf16(on_cuda: bool) -> bool:
     if on_cuda:
         return torch.cuda.is_bf16_supported(including_emulation=False)
     return isa_class() in ("AVX512-BF16", "AMX")
-
-
-def hardware_key(device: torch.device) -> str:
-    """What a speed measurement depends on besides the model: the CPU model, the
-    instruction-set flags that matter and the thread count, or the GPU's name; and the
-    torch version."""
-    if device.type == "cuda":
-        what = f"cuda:{torch.cuda.get_device_name(device)}"
-    else:
-        flags = sorted(f for f in cpuinfo_flags() if f.startswith(("avx", "amx", "fma", "sve")))
-        what = f"cpu:{cpu_name()}:{isa_class()}:{','.join(flags)}:{torch.get_num_threads()}"
-    return f"{what}|torch {torch.__version__}"
 
 
 def uses_cuda(accelerator: str) -> bool:

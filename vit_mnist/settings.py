@@ -113,7 +113,6 @@ def _pictures(value: Any) -> str | None:
 class SpeedSettings:
     path: str = _setting(choices=["auto", *PATH_NAMES], example="speed.path=auto")
     compile: bool = _setting()
-    cache: bool = _setting()
 
 
 # MNIST digits are size-normalised into a 20 x 20 box centred in the 28 x 28 frame (LeCun

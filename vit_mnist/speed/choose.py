@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import importlib.util
-import json
 import logging
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,19 +17,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
 from vit_mnist.errors import ConfigError
 from vit_mnist.hardware import (
     describe_device,
-    hardware_key,
     has_native_bf16,
     uses_cuda,
 )
-from vit_mnist.io import atomic_write_bytes
 from vit_mnist.models.vit import VisionTransformer
-from vit_mnist.speed import PATH_NAMES, cache_root, native
+from vit_mnist.speed import PATH_NAMES, native
 from vit_mnist.speed.forward import handwritten_backward_core, sdpa_core, vit_forward
 
 log = logging.getLogger(__name__)
@@ -180,10 +177,10 @@ class Choice:
     Attributes:
         path: a key of :data:`PATHS`.
         precision: a Lightning precision, ``32-true`` or ``bf16-mixed`` when measured.
-        images_per_s: ``"path precision" -> images/s`` of every candidate timed (or read
-            from the cache); empty when nothing was timed.
-        seconds: wall seconds spent choosing (timing, or reading the cache).
-        how: ``measured``, ``cached`` or ``forced``.
+        images_per_s: ``"path precision" -> images/s`` of every candidate timed; empty
+            when nothing was timed.
+        seconds: wall seconds spent timing.
+        how: ``measured`` or ``forced``.
         skipped: ``path -> why`` for the paths not timed.
     """
 
@@ -251,35 +248,6 @@ def candidates(
     return pairs, skipped
 
 
-def _cache_key(device: torch.device, model_args: dict, batch_size: int, pairs: list) -> str:
-    what = [hardware_key(device), model_args, batch_size, [list(p) for p in pairs]]
-    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
-
-
-def _cached(key: str, pairs: list[Pair]) -> dict[str, float] | None:
-    """The figures cached under ``key`` if they cover ``pairs``, each a positive number."""
-    try:
-        entry = json.loads((cache_root() / "speed_choices.json").read_text()).get(key)
-        speeds = {f"{p} {q}": entry["images_per_s"][f"{p} {q}"] for p, q in pairs}
-    except (OSError, ValueError, AttributeError, KeyError, TypeError):
-        return None  # none yet, another version's, or a damaged file: measured again
-    ok = all(type(v) in (int, float) and v > 0 for v in speeds.values())
-    return {k: float(v) for k, v in speeds.items()} if ok else None
-
-
-def _write_cache(key: str, device: torch.device, speeds: dict[str, float]) -> None:
-    file = cache_root() / "speed_choices.json"
-    try:
-        entries = dict(json.loads(file.read_text()))
-    except (OSError, ValueError, TypeError):
-        entries = {}  # none yet, or damaged: started again
-    entries[key] = {"images_per_s": speeds, "hardware": hardware_key(device)}
-    try:
-        atomic_write_bytes(file, (json.dumps(entries, indent=1, sort_keys=True) + "\n").encode())
-    except OSError as e:  # a read-only home: what was measured still holds for this run
-        log.warning("%s not written (%s)", file.name, e)
-
-
 def time_candidates(
     net: VisionTransformer,
     pairs: list[Pair],
@@ -299,8 +267,9 @@ def time_candidates(
     AdamW step. After one untimed step each, the pairs take turns for ``rounds`` rounds, in
     reversed order every other round, of ``steps`` steps or as many as fill ``min_round_s``
     (a 15 ms GPU step is too short to time alone), until ``budget_s`` seconds have passed.
-    A pair counts with its best round: load only ever slows a round down. Runs on a copy of
-    ``net`` and restores the random-number state, so the run that follows is unchanged.
+    A pair counts with its median round: on a shared machine a round's speed moves by 10% or
+    more either way, and the loop runs at the middle of that spread, not at its top. Runs on
+    a copy of ``net`` and restores the random-number state: the run that follows is unchanged.
     """
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
@@ -327,39 +296,37 @@ def time_candidates(
 
     try:
         step_s = {pair: seconds_per_step(pair, 1) for pair in pairs}
-        speeds = {pair: 0.0 for pair in pairs}
+        speeds: dict[Pair, list[float]] = {pair: [] for pair in pairs}
         start = time.perf_counter()
         for r in range(rounds):
             for pair in pairs if r % 2 == 0 else pairs[::-1]:
                 n = max(steps, math.ceil(min_round_s / max(step_s[pair], 1e-6)))
                 step_s[pair] = seconds_per_step(pair, n)
-                speeds[pair] = max(speeds[pair], batch_size / step_s[pair])
+                speeds[pair].append(batch_size / step_s[pair])
             if time.perf_counter() - start > budget_s:
                 break
     finally:
         torch.set_rng_state(rng)
         if cuda_rng:
             torch.cuda.set_rng_state_all(cuda_rng)
-    return {f"{p} {q}": v for (p, q), v in speeds.items()}
+    return {f"{p} {q}": statistics.median(v) for (p, q), v in speeds.items()}
 
 
 def choose(
     net: nn.Module,
     *,
-    model_args: dict[str, Any],
     device: torch.device,
     batch_size: int,
     path: str = "auto",
     precision: str = "auto",
     include_compiled: bool = False,
-    use_cache: bool = True,
     augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Choice:
     """The path and precision to train ``net`` (not modified) with on ``device``, at
     ``batch_size`` images a step: ``path`` and ``precision`` are ``auto`` or forced;
-    ``model_args`` (the model's constructor arguments) key the cache, read and written
-    with ``use_cache``; ``include_compiled`` lets ``auto`` time the compiled paths;
-    ``augment`` is timed with each step (:func:`time_candidates`).
+    ``include_compiled`` lets ``auto`` time the compiled paths; ``augment`` is timed with
+    each step (:func:`time_candidates`). Nothing is kept between runs: timing costs about
+    1% of the default run, and each run chooses on the machine as it is then.
 
     Raises:
         ConfigError: a forced path that cannot run here.
@@ -368,15 +335,9 @@ def choose(
     pairs, skipped = candidates(device, path, precision, include_compiled, net)
     if len(pairs) == 1:
         return Choice(*pairs[0], skipped=skipped)
-    key = _cache_key(device, model_args, batch_size, pairs)
-    speeds, how = (_cached(key, pairs) if use_cache else None), "cached"
-    if speeds is None:
-        speeds = time_candidates(net, pairs, device=device, batch_size=batch_size, augment=augment)
-        how = "measured"
-        if use_cache:
-            _write_cache(key, device, speeds)
+    speeds = time_candidates(net, pairs, device=device, batch_size=batch_size, augment=augment)
     best = max(speeds, key=speeds.get).split(" ")
-    return Choice(*best, speeds, time.perf_counter() - start, how, skipped)
+    return Choice(*best, speeds, time.perf_counter() - start, "measured", skipped)
 
 
 def prepare_speed(module: Any, cfg: DictConfig, datamodule: Any = None) -> Choice:
@@ -403,13 +364,11 @@ def prepare_speed(module: Any, cfg: DictConfig, datamodule: Any = None) -> Choic
             torch.set_num_threads(max(1, cores // processes))
     choice = choose(
         module.net,
-        model_args=OmegaConf.to_container(cfg.model, resolve=True),
         device=device,
         batch_size=cfg.data.batch_size,
         path=speed.get("path", "auto"),
         precision=str(cfg.trainer.get("precision", "auto")),
         include_compiled=bool(speed.get("compile", False)),
-        use_cache=bool(speed.get("cache", True)),
         augment=getattr(datamodule, "augment", None),
     )
     module.step_forward = PATHS[choice.path].build(module.net)
