@@ -508,6 +508,7 @@ def test_under_cpu_ddp_each_process_times_its_steps_on_its_share_of_the_cores(mo
 
     from omegaconf import OmegaConf
 
+    from vit_mnist.cli import prepare_ddp_launch
     from vit_mnist.module import ViTClassifier
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -529,6 +530,7 @@ def test_under_cpu_ddp_each_process_times_its_steps_on_its_share_of_the_cores(mo
             }
         )
         with caplog.at_level(logging.INFO, logger="vit_mnist.speed.choose"):
+            prepare_ddp_launch(cfg.trainer)  # as vit-mnist-train calls it, before train()
             prepare_speed(ViTClassifier(model=model), cfg)
         affinity = getattr(os, "sched_getaffinity", None)  # not on macOS
         share = max(1, (len(affinity(0)) if affinity else os.cpu_count() or 1) // 2)

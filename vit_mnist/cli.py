@@ -213,7 +213,10 @@ def _start(task: str) -> ModuleType:
 
 
 def prepare_ddp_launch(trainer_cfg: DictConfig) -> None:
-    """Let Lightning's DDP start its extra processes as this one job, not as the sweep.
+    """Prepare a DDP run: on a CPU, each process's share of the cores, which Lightning sets
+    when fit starts (unless ``OMP_NUM_THREADS`` does), is set now, so that the speed paths
+    are timed as they will run; and Lightning's DDP starts its extra processes as this one
+    job, not as the sweep.
 
     Lightning starts DDP's extra processes by running ``sys.argv`` again in
     ``HydraConfig.run.dir``; inside a local multirun (``-m``) that command line is the whole
@@ -228,8 +231,16 @@ def prepare_ddp_launch(trainer_cfg: DictConfig) -> None:
     from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
     from omegaconf import open_dict, read_write
 
+    from vit_mnist.hardware import uses_cuda
+
     if not str(trainer_cfg.get("strategy", "auto")).startswith("ddp"):
         return
+    processes = trainer_cfg.get("devices")
+    on_cpu = not uses_cuda(str(trainer_cfg.get("accelerator"))) and isinstance(processes, int)
+    if on_cpu and processes > 1 and "OMP_NUM_THREADS" not in os.environ:
+        affinity = getattr(os, "sched_getaffinity", None)  # not on macOS
+        cores = len(affinity(0)) if affinity else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // processes))
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return
     if SLURMEnvironment.detect() or TorchElasticEnvironment.detect():

@@ -392,6 +392,7 @@ RETIRED: dict[str, str] = {
         "is no longer a model setting: torch.compile is one of the speed paths; use "
         "speed.path=compile (or speed.compile=true, with which speed.path=auto times it too)"
     ),
+    "speed.cache": "is gone: speed.path=auto times the paths afresh in every run; drop it",
 }
 
 # Hydra instantiation keys, not arguments of the target.

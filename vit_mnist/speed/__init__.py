@@ -1,12 +1,7 @@
-"""The speed layer: faster ways to run the reference model's training step.
-
-The model a student reads is :mod:`vit_mnist.models`; nothing here changes what it
-computes. Each way of running its training step is a named path
-(:data:`~vit_mnist.speed.choose.PATHS`) that runs the model's own parameters and is tested
-against the reference (tests/test_speed.py). Which is fastest depends on the machine, so
-``speed.path=auto`` measures them on the user's own; ``train()`` makes one call,
-:func:`~vit_mnist.speed.choose.prepare_speed`. docs/speed.md has where each path wins.
-"""
+"""The speed layer: named ways to run the reference model's training step
+(:data:`~vit_mnist.speed.choose.PATHS`) on its own parameters, each tested against it
+(tests/test_speed.py), chosen by measurement on the user's machine; ``train()`` makes one
+call, :func:`~vit_mnist.speed.choose.prepare_speed`. docs/speed.md: where each path wins."""
 
 import os
 from pathlib import Path

@@ -8,7 +8,6 @@ import functools
 import importlib.util
 import logging
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -21,18 +20,13 @@ from omegaconf import DictConfig
 from torch import nn
 
 from vit_mnist.errors import ConfigError
-from vit_mnist.hardware import (
-    describe_device,
-    has_native_bf16,
-    uses_cuda,
-)
+from vit_mnist.hardware import describe_device, has_native_bf16, uses_cuda
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.speed import PATH_NAMES, native
 from vit_mnist.speed.forward import handwritten_backward_core, sdpa_core, vit_forward
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("32-true", "bf16-mixed")
 Pair = tuple[str, str]  # (path, precision)
 
 
@@ -42,16 +36,11 @@ def _vit_only(net: nn.Module) -> str | None:
 
 @dataclass(frozen=True)
 class TrainingPath:
-    """A way to run the training step.
-
-    Attributes:
-        build: model -> its forward ``images (B, C, H, W) -> logits (B, num_classes)`` (with
-            ``heads=True``, a distilled ViT's two heads' logits) on the model's own modules:
-            the optimizer, the checkpoints and the attention maps see one model.
-        unavailable: device -> why this path cannot run there, or None.
-        unsupported: model -> why this path cannot run it, or None.
-        compiles: whether the first training step compiles (evaluation runs eagerly).
-    """
+    """A way to run the training step: ``build`` (model -> its forward ``images (B, C, H, W)
+    -> logits (B, num_classes)``, with ``heads=True`` a distilled ViT's two heads' logits, on
+    the model's own modules), ``unavailable`` (device -> why it cannot run there, or None),
+    ``unsupported`` (model -> why it cannot run it, or None) and ``compiles`` (the first
+    training step compiles; evaluation runs eagerly)."""
 
     build: Callable[[nn.Module], Callable[..., Any]]
     unavailable: Callable[[torch.device], str | None] = lambda device: None
@@ -67,13 +56,10 @@ def _reference(net: nn.Module) -> Callable[..., Any]:
 
 
 def compile_step(fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
-    """``torch.compile(fn, dynamic=True)`` for training steps on ``device`` (one graph for
-    every batch size). On CUDA with ``mode="reduce-overhead"``: CUDA graphs replay a step's
-    kernels in one launch each for the forward and the backward, where eager this model
-    leaves the GPU waiting on the host's launches (on an H200, 77,055 images/s against
-    23,750 for the best eager path: docs/benchmarks.md).
-    ``specialize_float`` traces float attributes (dropout ``p``, LayerNorm ``eps``) as the
-    constants they are, rather than as symbols that restart the analysis later."""
+    """``torch.compile(fn, dynamic=True)`` (one graph for every batch size) for training
+    steps on ``device``; on CUDA with CUDA graphs (``mode="reduce-overhead"``), since the
+    eager step there waits on the host's kernel launches (docs/speed.md). Float attributes
+    (dropout ``p``, LayerNorm ``eps``) are traced as constants (``specialize_float``)."""
     mode = "reduce-overhead" if device.type == "cuda" else None
     compiled = torch.compile(fn, dynamic=True, mode=mode)
 
@@ -85,9 +71,8 @@ def compile_step(fn: Callable[..., Any], device: torch.device) -> Callable[..., 
 
 
 def _compiled(net: nn.Module) -> Callable[..., Any]:
-    """:func:`vit_forward` compiled by :func:`compile_step` at the first training step, for
-    the device it runs on. Without gradients (validation, test) it runs eagerly: a graph of
-    its own would cost a first compile (11 to 27 s on 2 cores) for seconds of a run."""
+    """:func:`vit_forward` compiled by :func:`compile_step` at the first training step;
+    eager without gradients (validation, test): a graph of its own would cost a compile."""
     compiled = None
 
     def forward(x: torch.Tensor, heads: bool = False) -> Any:
@@ -110,7 +95,7 @@ def _compile_unavailable(device: torch.device) -> str | None:
     from torch._inductor.exc import InvalidCxxCompiler
 
     try:
-        get_cpp_compiler()
+        get_cpp_compiler()  # inductor's own choice (its cpp.cxx setting, $CXX)
     except InvalidCxxCompiler:
         return "no working C++ compiler (install g++)"
     return None
@@ -130,9 +115,8 @@ def _native_unavailable(device: torch.device) -> str | None:
 
 
 def _native_unsupported(net: nn.Module) -> str | None:
-    """The kernel assumes h * d_k == D in every block (pruned heads break it); it is built
-    now for the model's shape, so one that cannot be built leaves the path out rather than
-    running PyTorch's operations under its name."""
+    """Pruned heads (h * d_k != D) or a kernel that cannot be built for the model's shape
+    (built now) leave the path out rather than run PyTorch's operations under its name."""
     if why := _vit_only(net):
         return why
     for i, attn in enumerate(block.attn for block in net.blocks):
@@ -172,17 +156,10 @@ PATHS: dict[str, TrainingPath] = dict(
 
 @dataclass
 class Choice:
-    """The path and precision a run trains with, and how they were chosen.
-
-    Attributes:
-        path: a key of :data:`PATHS`.
-        precision: a Lightning precision, ``32-true`` or ``bf16-mixed`` when measured.
-        images_per_s: ``"path precision" -> images/s`` of every candidate timed; empty
-            when nothing was timed.
-        seconds: wall seconds spent timing.
-        how: ``measured`` or ``forced``.
-        skipped: ``path -> why`` for the paths not timed.
-    """
+    """The ``path`` (a key of :data:`PATHS`) and Lightning ``precision`` a run trains with;
+    ``images_per_s`` (``"path precision" -> images/s``) of every candidate timed, in
+    ``seconds`` of wall time, ``how`` (``measured`` or ``forced``), and ``skipped``
+    (``path -> why`` for the paths not timed)."""
 
     path: str
     precision: str
@@ -196,10 +173,8 @@ class Choice:
         took = "" if self.how == "forced" else f" in {self.seconds:.2f} s"
         line = f"speed path: {self.path}, precision {self.precision} ({self.how}{took}; "
         line += describe_device(device) + ")"
-        if self.images_per_s:
-            line += "; images/s: " + ", ".join(
-                f"{k} {v:,.0f}" for k, v in self.images_per_s.items()
-            )
+        figures = ", ".join(f"{k} {v:,.0f}" for k, v in self.images_per_s.items())
+        line += f"; images/s: {figures}" if figures else ""
         if self.how != "forced" and self.skipped:
             line += "; not timed: " + "; ".join(f"{p} ({why})" for p, why in self.skipped.items())
         return line
@@ -220,12 +195,10 @@ def candidates(
     device: torch.device, path: str, precision: str, include_compiled: bool, net=None
 ) -> tuple[list[Pair], dict[str, str]]:
     """The (path, precision) pairs :func:`choose` may time, and ``path -> why`` for those
-    left out. ``include_compiled=False`` leaves the compiled paths out of ``auto``.
-    ``net``, when given, must be supported too.
+    left out (the compiled ones unless ``include_compiled``; those ``net`` cannot run).
 
     Raises:
-        ConfigError: a forced path that cannot run on ``device`` or ``net``, saying why
-            (the settings schema has refused an unknown one).
+        ConfigError: a forced path that cannot run on ``device`` or ``net``, saying why.
     """
     paths, skipped = [], {}
     for name, p in PATHS.items() if path == "auto" else [(path, PATHS[path])]:
@@ -238,12 +211,10 @@ def candidates(
             paths.append(name)
         else:
             skipped[name] = why
-    if precision != "auto":
-        precisions = [precision]
-    else:
-        precisions = list(PRECISIONS) if has_native_bf16(device.type == "cuda") else ["32-true"]
-    # A compiled path at one precision, the last (bf16 where the hardware has it): one
-    # compile, not one per precision.
+    precisions = [precision] if precision != "auto" else ["32-true"]
+    if precision == "auto" and has_native_bf16(device.type == "cuda"):
+        precisions.append("bf16-mixed")
+    # A compiled path at the last precision only (bf16 where the hardware has it): one compile.
     pairs = [(p, q) for p in paths for q in (precisions[-1:] if PATHS[p].compiles else precisions)]
     return pairs, skipped
 
@@ -322,11 +293,9 @@ def choose(
     include_compiled: bool = False,
     augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Choice:
-    """The path and precision to train ``net`` (not modified) with on ``device``, at
-    ``batch_size`` images a step: ``path`` and ``precision`` are ``auto`` or forced;
-    ``include_compiled`` lets ``auto`` time the compiled paths; ``augment`` is timed with
-    each step (:func:`time_candidates`). Nothing is kept between runs: timing costs about
-    1% of the default run, and each run chooses on the machine as it is then.
+    """The path and precision (each ``auto`` or forced) to train ``net`` (not modified) with
+    on ``device`` at ``batch_size`` images a step, timed afresh (:func:`time_candidates`,
+    with ``augment`` in each step; ``include_compiled`` lets ``auto`` time compiled paths).
 
     Raises:
         ConfigError: a forced path that cannot run here.
@@ -341,27 +310,16 @@ def choose(
 
 
 def prepare_speed(module: Any, cfg: DictConfig, datamodule: Any = None) -> Choice:
-    """Choose the training path and precision for the run ``cfg`` and put the path's
-    forward into ``module.step_forward`` (a LightningModule whose network is ``module.net``).
-    ``datamodule``'s batch augmentation (its ``augment``) is timed with each step.
-
-    Reads ``speed.*``, ``trainer.accelerator``, ``trainer.precision``, ``trainer.strategy``,
-    ``trainer.devices``, ``data.batch_size`` and ``model``; logs the choice in one line.
+    """Choose the training path and precision for the run ``cfg`` (``speed.*``,
+    ``trainer.accelerator``, ``trainer.precision``, ``data.batch_size``), timing
+    ``datamodule.augment`` with each step, and put the path's forward of ``module.net`` into
+    ``module.step_forward``. Logs the choice in one line.
 
     Raises:
         ConfigError: a forced path that cannot run here.
     """
     speed = cfg.get("speed") or {}
     device = torch.device("cuda" if uses_cuda(str(cfg.trainer.get("accelerator"))) else "cpu")
-    processes = cfg.trainer.get("devices")
-    ddp = str(cfg.trainer.get("strategy", "auto")).startswith("ddp")
-    if device.type == "cpu" and ddp and isinstance(processes, int) and processes > 1:
-        # Lightning's DDP launcher gives each process its share of the cores when fit
-        # starts (unless OMP_NUM_THREADS says otherwise): the steps are timed as they run.
-        if "OMP_NUM_THREADS" not in os.environ:
-            affinity = getattr(os, "sched_getaffinity", None)  # not on macOS
-            cores = len(affinity(0)) if affinity else os.cpu_count() or 1
-            torch.set_num_threads(max(1, cores // processes))
     choice = choose(
         module.net,
         device=device,
@@ -380,8 +338,6 @@ def prepare_speed(module: Any, cfg: DictConfig, datamodule: Any = None) -> Choic
         if PATHS[name].unavailable(device) is None and PATHS[name].unsupported(module.net)
     ]
     if fallen:
-        log.warning(
-            "speed path %s runs: these cannot run here (%s)", choice.path, "; ".join(fallen)
-        )
+        log.warning("speed path %s runs; cannot run here: %s", choice.path, "; ".join(fallen))
     log.info(choice.describe(device))
     return choice

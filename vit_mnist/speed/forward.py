@@ -1,18 +1,9 @@
-"""The reference ViT's forward pass on its own modules, with a choice of attention core.
-
-:func:`vit_forward` walks a :class:`~vit_mnist.models.vit.VisionTransformer`'s own patch
-embedding, blocks, norms and head (no weight is copied) and differs from
-``VisionTransformer.forward`` in three ways, none of which changes the numbers beyond
-float rounding (tests/test_speed.py):
-
-- the patch embedding is ViT eq. 1 as written, a matrix product on the flattened patches,
-  because oneDNN's backward of a one-channel convolution is slow on AVX2 CPUs;
-- the attention core softmax(Q K^T / sqrt(d_k)) V is a function passed in
-  (:data:`AttentionCore`): the textbook arithmetic, PyTorch's fused kernel, or the same
-  arithmetic with a hand-written backward (:class:`ExplicitAttention`);
-- the last block runs for the CLS (and distillation) token only, as only they reach the
-  head (ViT eq. 4): every token's keys and values, their queries alone.
-"""
+"""The reference ViT's forward pass on its own modules (no weight copied), with a choice of
+attention core (:data:`AttentionCore`: the textbook arithmetic, PyTorch's fused kernel, or a
+hand-written backward). It differs from ``VisionTransformer.forward`` only beyond float
+rounding (tests/test_speed.py): the patch embedding is ViT eq. 1 as written, a matrix product
+(oneDNN's backward of a one-channel convolution is slow on AVX2), and the last block runs
+for the prefix (CLS, distillation) tokens only, as only they reach the head (ViT eq. 4)."""
 
 from __future__ import annotations
 
@@ -28,10 +19,9 @@ from torch.autograd.function import once_differentiable
 from vit_mnist.models.attention import MultiHeadSelfAttention, causal_mask
 from vit_mnist.models.vit import EncoderBlock, VisionTransformer
 
-# (attention module, q_src, kv_src) -> Concat(head_1..head_h) (B, T_q, h*d_k), ready for
-# W^O. With kv_src None, q_src is the packed qkv projection (B, T, 3*h*d_k): Q, K and V side
-# by side, heads within each; otherwise the queries (B, T_q, h*d_k), with kv_src the keys
-# and values (B, T_k, 2*h*d_k). Query i is token i (for the causal mask).
+# (attention module, q_src, kv_src) -> Concat(head_1..head_h) (B, T_q, h*d_k), for W^O.
+# q_src: the packed qkv projection (B, T, 3*h*d_k) with kv_src None, else the queries
+# (B, T_q, h*d_k) and kv_src the keys and values (B, T_k, 2*h*d_k). Query i is token i.
 AttentionCore = Callable[[MultiHeadSelfAttention, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
@@ -74,11 +64,8 @@ class ExplicitAttention(torch.autograd.Function):
         dV = P^T dO,   dP = dO V^T,   dS = P * (dP - rowsum(dP * P)),
         dQ = scale * dS K,   dK = scale * dS^T Q
 
-    Inputs as an :data:`AttentionCore`'s (one dtype); output (B, T_q, h*d_k). The
-    gradients go back packed as the inputs came, so autograd has no per-head views to undo;
-    only Q, K, V and P are saved (P in the inputs' dtype), and the float32 softmax and its
-    backward run in place, over the scores and over dP.
-    """
+    Inputs as an :data:`AttentionCore`'s (one dtype); output (B, T_q, h*d_k). Gradients go
+    back packed as the inputs came; Q, K, V and P are saved; the softmax runs in place."""
 
     @staticmethod
     def forward(ctx, q_src, kv_src, num_heads: int, scale: float, causal: bool):  # noqa: D102
@@ -164,9 +151,8 @@ def attention_forward(
 
 
 def residual(x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-    """``x + branch``, written over ``branch`` where the dtypes agree: a branch's output is
-    fresh and unsaved by autograd, and filling a new activation-sized buffer costs more than
-    the add. Under bf16 autocast a bf16 branch meets the float32 stream: a new tensor."""
+    """``x + branch``, written over ``branch`` (fresh, unsaved by autograd) where the dtypes
+    agree: a new activation-sized buffer costs more than the add."""
     return branch.add_(x) if branch.dtype == x.dtype else x + branch
 
 
@@ -180,14 +166,9 @@ def block_forward(
 
 
 def embed_forward(net: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
-    """``net._embed(x)``, ViT eq. 1 as written: each flattened patch times E, the patch
-    embedding's conv weight (D, C, p, p) seen as a (D, C*p*p) matrix.
-
-    Shapes: images (B, C, img_size, img_size) -> tokens (B, num_tokens, D), CLS first.
-
-    Raises:
-        ValueError: images of another size than the model's ``img_size``.
-    """
+    """``net._embed(x)``, ViT eq. 1 as written: each flattened patch times E, the conv weight
+    (D, C, p, p) seen as (D, C*p*p). Images (B, C, img_size, img_size) -> tokens
+    (B, num_tokens, D), CLS first. Raises ValueError for images of another size."""
     embed, p = net.patch_embed, net.patch_embed.patch_size
     if x.shape[-2:] != (embed.img_size, embed.img_size):
         return net._embed(x)  # raises, naming both sizes

@@ -1,18 +1,10 @@
-"""The ``native`` path: the reference ViT's training step on two C++ kernels.
-
-- Attention (``attention_cpu.cpp``, :class:`FusedCPUAttention`): softmax(Q K^T * scale) V
-  and its backward for all heads of an image in one call, read straight from the packed
-  ``qkv`` projection, where PyTorch takes a dozen operations.
-- Residual add + LayerNorm (``layer_norm_cpu.cpp``, :class:`AddLayerNorm`), AVX-512 only:
-  one pass each way where PyTorch takes four. For it a block hands its MLP branch to the
-  next un-added (:func:`_block_deferred`), where ``x + branch`` meets ``norm1``.
-
-Each kernel is built on first use (about 1 s) with the system's C++ compiler and OpenMP for
-the instruction-set class PyTorch's own kernels run at (:func:`build_target`), one library
-per shape class, cached under ``$VIT_MNIST_CACHE/kernels``. Where a kernel cannot take an
-input (more than 128 tokens, a head wider than 64, float16, attention dropout, tracing)
-that step runs on PyTorch operations. docs/speed.md has the figures.
-"""
+"""The ``native`` path: the reference ViT's training step on two C++ kernels, attention
+(:class:`FusedCPUAttention`, all heads of an image in one call from the packed ``qkv``) and,
+at AVX-512 only, residual add + LayerNorm (:class:`AddLayerNorm`, one pass each way). Each
+is built on first use (about 1 s) for the instruction-set class PyTorch runs at
+(:func:`build_target`), one library per shape class, under ``$VIT_MNIST_CACHE/kernels``.
+Inputs a kernel cannot take (over 128 tokens, heads over 64 wide, float16, attention
+dropout, tracing) run on PyTorch operations. docs/speed.md has the figures."""
 
 from __future__ import annotations
 
@@ -211,15 +203,8 @@ class FusedCPUAttention(torch.autograd.Function):
         width = lanes()
         out = q_src.new_empty(b, t_q, h * d)
         weights = q_src.new_empty(b * h, t_q, -(-t_k // width) * width)
-        lib.attn_forward(
-            *args,
-            *_rows(out),
-            weights.data_ptr(),
-            *sizes,
-            scale,
-            int(causal),
-            torch.get_num_threads(),
-        )
+        tail = (scale, int(causal), torch.get_num_threads())
+        lib.attn_forward(*args, *_rows(out), weights.data_ptr(), *sizes, *tail)
         ctx.save_for_backward(q_src, kv_src, weights)
         ctx.meta = (lib, num_heads, scale)
         return out
@@ -268,15 +253,11 @@ def add_norm_usable(x: torch.Tensor, branch: torch.Tensor | None, norm: nn.Layer
 
 
 def add_norm(x, branch, norm: nn.LayerNorm, *, for_linear: bool):
-    """``s = x + branch`` (``x`` when ``branch`` is None) and ``norm(s)`` in one pass each
-    way: the kernel where :func:`add_norm_usable` and a backward follows, PyTorch's add and
-    LayerNorm otherwise.
-
-    Shapes and dtypes: ``x`` (..., D) float32, ``branch`` as ``x``, float32 or bfloat16;
-    ``s`` (..., D) float32, ``norm(s)`` (..., D) float32, or with ``for_linear`` under CPU
-    bf16 autocast the bfloat16 that autocast's cast before a Linear would give. The kernel
-    sums the statistics two-pass (PyTorch: Welford): the same to float32 rounding.
-    """
+    """``(s, norm(s))`` with ``s = x + branch`` (``x`` when ``branch`` is None): the kernel
+    where :func:`add_norm_usable` and a backward follows, else PyTorch's operations. ``x``
+    (..., D) float32, ``branch`` as ``x`` in float32 or bfloat16; ``s`` float32, ``norm(s)``
+    float32, or bfloat16 with ``for_linear`` under CPU bf16 autocast (what autocast gives a
+    Linear). Two-pass statistics (PyTorch: Welford), equal to float32 rounding."""
     if not (torch.is_grad_enabled() and x.requires_grad and add_norm_usable(x, branch, norm)):
         x = x if branch is None else x + branch
         return x, norm(x)
