@@ -404,15 +404,19 @@ def test_a_forced_compiled_path_with_precision_auto_compiles_once(monkeypatch):
     assert calls == []
 
 
-def _counted_path(name: str, steps: dict[str, int], delay_s: float = 0.0):
+def _counted_path(name: str, steps: dict[str, int], delay_s: float | list[float] = 0.0):
     """The reference path under ``name``, each forward counted in ``steps[name]`` and
-    lengthened by ``delay_s`` seconds: a path whose speed a test sets."""
+    lengthened by ``delay_s`` seconds (a list: one delay per forward, in turn): a path whose
+    speed a test sets."""
     import dataclasses
+    import itertools
+
+    delays = iter(delay_s) if isinstance(delay_s, list) else itertools.repeat(delay_s)
 
     def build(net):
         def forward(x):
             steps[name] = steps.get(name, 0) + 1
-            time.sleep(delay_s)
+            time.sleep(next(delays))
             return net(x)
 
         return forward
@@ -441,20 +445,9 @@ def test_timing_interleaves_every_candidate_over_every_round(monkeypatch):
 def test_a_candidate_counts_with_its_median_round_not_a_lucky_one(monkeypatch):
     """One fast round among slow ones (a quiet moment on a shared machine) does not set the
     figure: the loop that follows runs at the typical round's speed."""
-    delays = iter([0.05, 0.002, 0.05, 0.05])  # the untimed first step, then three rounds
-
-    def build(net):
-        def forward(x):
-            time.sleep(next(delays))
-            return net(x)
-
-        return forward
-
-    import dataclasses
-
-    monkeypatch.setattr(
-        choose_mod, "PATHS", {"lucky": dataclasses.replace(PATHS["reference"], build=build)}
-    )
+    # The untimed first step, then three rounds of one step.
+    lucky = _counted_path("lucky", {}, [0.05, 0.002, 0.05, 0.05])
+    monkeypatch.setattr(choose_mod, "PATHS", {"lucky": lucky})
     net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
     speeds = choose_mod.time_candidates(
         net,
