@@ -84,9 +84,9 @@ def make_train_cfg(tmp_path):
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache(tmp_path_factory):
-    """Speed choices and built kernels go to a fresh folder, not the user's cache. The
-    built kernels are shared by the run's xdist workers: a build is a compiler process of
-    about 1.5 s per shape class, and each worker built every one it met. A library is
+    """Built kernels go to a fresh folder, not the user's cache, shared by the run's xdist
+    workers: a build is a compiler process of about 1.5 s per shape class, and each worker
+    built every one it met. A library is
     written whole under its final name (vit_mnist/speed/native.py), so a worker never
     loads another's half-written build."""
     old = os.environ.get("VIT_MNIST_CACHE")

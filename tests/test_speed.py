@@ -361,8 +361,7 @@ def _fake_timing(speeds: dict[str, float], calls: list):
     return time_candidates
 
 
-def test_compiled_paths_are_timed_only_with_speed_compile(tmp_path, monkeypatch):
-    monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
+def test_compiled_paths_are_timed_only_with_speed_compile(monkeypatch):
     monkeypatch.setattr("vit_mnist.speed.choose.has_native_bf16", lambda on_cuda: True)
     monkeypatch.setattr("vit_mnist.speed.native.isa_class", lambda: "ARM")  # no native
     eager = {"reference": 900.0, "fused": 1000.0, "handwritten": 1100.0}

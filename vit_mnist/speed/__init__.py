@@ -12,7 +12,7 @@ PATH_NAMES = ("reference", "fused", "handwritten", "compile", "native")
 
 
 def cache_root() -> Path:
-    """Where the speed layer keeps what it measured and built: ``$VIT_MNIST_CACHE``, else
+    """Where the speed layer keeps the kernels it builds: ``$VIT_MNIST_CACHE``, else
     ``$XDG_CACHE_HOME/vit_mnist``, else ``~/.cache/vit_mnist``."""
     root = os.environ.get("VIT_MNIST_CACHE")
     if root:
