@@ -48,7 +48,9 @@ TARGETS = [native.build_target()] if _WHY_NOT is None else []
 
 
 FLOAT32_SHAPES = [(50, 64, 4), (17, 16, 2), (65, 40, 2), (50, 64, 2), (1, 32, 2), (128, 128, 2)]
-BF16_SHAPES = [(50, 64, 4), (17, 16, 2), (65, 40, 2), (33, 96, 3), (50, 10, 2)]
+# Each bf16 shape shares its build (keys per block, vectors per head row) with a float32
+# one at 8 floats a vector: every build costs a compiler run of seconds.
+BF16_SHAPES = [(50, 64, 4), (17, 16, 2), (65, 40, 2), (65, 96, 3), (17, 10, 2)]
 
 
 @pytest.fixture(scope="module", autouse=True)
