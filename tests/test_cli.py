@@ -31,8 +31,8 @@ def run(script: str, *overrides: str, cwd: Path = ROOT) -> subprocess.CompletedP
 def test_bad_input_on_the_command_line_is_one_line(tmp_path, monkeypatch, capsys):
     # The process boundary itself: exit status 2, one error line, no traceback. A key that
     # does not exist stops at Hydra's composition, in a second; a bad value stops in the
-    # checks before data and model, which need torch and Lightning imported (10 s on 2
-    # cores): that one runs in this process, through the same entry point.
+    # checks before data and model, which need torch and Lightning imported (about 10 s
+    # on a slow core): that one runs in this process, through the same entry point.
     result = run("train.py", "model.num_head=3", f"hydra.run.dir={tmp_path / 't'}")
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr + result.stdout
