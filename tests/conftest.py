@@ -86,9 +86,8 @@ def make_train_cfg(tmp_path):
 def _private_cache(tmp_path_factory):
     """Built kernels go to a fresh folder, not the user's cache, shared by the run's xdist
     workers: a build is a compiler process of about 1.5 s per shape class, and each worker
-    built every one it met. A library is
-    written whole under its final name (vit_mnist/speed/native.py), so a worker never
-    loads another's half-written build."""
+    built every one it met. A library is written whole under its final name
+    (vit_mnist/speed/native.py), so a worker never loads another's half-written build."""
     old = os.environ.get("VIT_MNIST_CACHE")
     cache = tmp_path_factory.mktemp("vit_mnist_cache")
     base = tmp_path_factory.getbasetemp()  # under xdist: one per worker, in the run's folder
