@@ -10,7 +10,8 @@ from tests.helpers import assert_same_values_and_gradients, count_applies
 from vit_mnist.models import VisionTransformer
 from vit_mnist.speed import native
 from vit_mnist.speed.choose import PATHS
-from vit_mnist.speed.native import _block_deferred, native_vit_forward
+from vit_mnist.speed.forward import attention_forward
+from vit_mnist.speed.native import native_core, native_vit_forward
 
 # Depends on the CPU's instruction set: CI runs it again under AVX2 emulation (.ci/run).
 pytestmark = pytest.mark.isa
@@ -85,7 +86,9 @@ def native_full_forward(net: VisionTransformer, x: torch.Tensor) -> torch.Tensor
     last block's MLP branch meets the final LayerNorm in the kernel (``for_linear=False``)."""
     x, branch = net._embed(x), None
     for block in net.blocks:
-        x, branch = _block_deferred(block, x, branch)
+        x, h = native.add_norm(x, branch, block.norm1)
+        x, h = native.add_norm(x, attention_forward(block.attn, h, native_core), block.norm2)
+        branch = block.mlp(h)
     return net.forward_head(native.add_norm(x, branch, net.norm, for_linear=False)[1])
 
 

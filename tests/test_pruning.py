@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import compose_config
-from tests.helpers import assert_same_values_and_gradients
+from tests.helpers import assert_same_values_and_gradients, count_applies
 from tests.test_attention import textbook_mha
 from vit_mnist.analysis.heads import gradient_head_importance, heads_zeroed
 from vit_mnist.analysis.pruning import prune_heads
@@ -20,6 +20,7 @@ from vit_mnist.evaluate import evaluate
 from vit_mnist.models.attention import MultiHeadSelfAttention
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.module import ViTClassifier
+from vit_mnist.speed import native
 from vit_mnist.speed.choose import PATHS, candidates
 from vit_mnist.train import train
 
@@ -87,19 +88,21 @@ def test_narrow_heads_are_the_textbook_attention(impl):
 
 
 @pytest.mark.isa
-def test_speed_paths_run_a_pruned_model_or_say_why_not():
+def test_speed_paths_run_a_pruned_model(monkeypatch):
+    """Fewer heads than embed_dim / head_dim: every eager path, the C++ attention kernel
+    included (it reads each head at head * head_dim of the packed projection), gives the
+    pruned model's values and every parameter's gradient."""
     pruned, _ = prune_heads(_model(), ARGS, [(0, 1), (1, 0), (1, 2)])
     x = torch.randn(3, 1, 28, 28)
     params = list(pruned.parameters())
-    for name in ("fused", "handwritten"):  # values and every parameter's gradient
+    pairs, skipped = candidates(CPU, "auto", "32-true", False, pruned)
+    assert skipped.keys() <= {"native", "compile"} and "compile" in skipped
+    assert ("native" in skipped) == (PATHS["native"].unavailable(CPU) is not None)
+    kernel_calls = count_applies(monkeypatch, native.FusedCPUAttention)
+    for name, _ in pairs:  # values and every parameter's gradient
         fast = PATHS[name].build(pruned)(x)
         assert_same_values_and_gradients(fast, pruned(x), params, atol=1e-5, rtol=1e-4)
-    assert "pruned heads" in PATHS["native"].unsupported(pruned)
-    assert PATHS["native"].unsupported(_model()) is None
-    pairs, skipped = candidates(CPU, "auto", "32-true", True, pruned)
-    assert "native" in skipped and ("reference", "32-true") in pairs
-    with pytest.raises(ConfigError, match="pruned heads"):
-        candidates(CPU, "native", "32-true", False, pruned)
+    assert len(kernel_calls) == (2 if ("native", "32-true") in pairs else 0)  # one per block
 
 
 def test_eval_prunes_and_the_pruned_checkpoint_evaluates_alike(tmp_path, make_train_cfg):

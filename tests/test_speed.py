@@ -20,12 +20,13 @@ from vit_mnist.speed import choose as choose_mod
 from vit_mnist.speed.choose import PATHS, Choice, candidates, choose, prepare_speed
 from vit_mnist.speed.forward import (
     ExplicitAttention,
+    add_norm,
     attention_forward,
-    block_forward,
     embed_forward,
     explicit_core,
     handwritten_backward_core,
     sdpa_core,
+    vit_forward,
 )
 
 # Depends on the CPU's instruction set: CI runs it again under AVX2 emulation (.ci/run).
@@ -203,19 +204,24 @@ def test_patch_embedding_as_a_matrix_product_is_the_convolution():
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-def test_block_keeps_the_reference_residual_stream(bf16):
-    """The residual adds written over the branch's buffer: same values, and under bf16
-    autocast the stream stays float32 as in the reference (a bf16 branch must not take
-    the sum)."""
+def test_residual_adds_keep_the_reference_stream(bf16):
+    """The residual add written over the branch's buffer: the reference's values, and under
+    bf16 autocast the stream stays float32 as in the reference (a bf16 branch must not take
+    the sum); then each eager forward, whose blocks run on these adds, gives the model's."""
     torch.manual_seed(0)
     net = VisionTransformer(patch_size=7, **TINY)
-    x = torch.randn(2, 17, TINY["embed_dim"])
+    x, norm = torch.randn(2, 17, TINY["embed_dim"]), net.blocks[0].norm1
+    branch = torch.randn_like(x).to(torch.bfloat16 if bf16 else torch.float32)
+    ref = x + branch
+    s, h = add_norm(x, branch.clone(), norm)
+    assert s.dtype == torch.float32
+    torch.testing.assert_close(s, ref)
+    torch.testing.assert_close(h, norm(ref))
+    images = torch.randn(2, 1, 28, 28)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        ref = net.blocks[0](x)
         for core in (explicit_core, handwritten_backward_core, sdpa_core):
-            out = block_forward(net.blocks[0], x, core)
-            assert out.dtype == ref.dtype == torch.float32
-            torch.testing.assert_close(out, ref, atol=2e-2 if bf16 else 1e-5, rtol=1e-4)
+            out = vit_forward(net, images, core)
+            torch.testing.assert_close(out, net(images), atol=2e-2 if bf16 else 1e-5, rtol=1e-4)
 
 
 def test_forced_path_is_not_timed(monkeypatch):

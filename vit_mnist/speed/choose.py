@@ -104,28 +104,17 @@ def _compile_unavailable(device: torch.device) -> str | None:
 def _native_unavailable(device: torch.device) -> str | None:
     if device.type != "cpu":
         return "CPU only"
-    target = native.build_target()
-    if target is None:
+    if native.build_target() is None:
         return f"needs AVX2 or AVX-512, this CPU runs PyTorch at {native.isa_class()}"
-    if target == "AVX-512" and not {"avx512f", "avx512bw", "avx512vl"} <= native.cpuinfo_flags():
-        return "needs AVX-512 F, BW and VL"
     if not torch.backends.openmp.is_available():
         return "this torch build has no OpenMP"
     return None if native.compiler() else "no C++ compiler found (install g++)"
 
 
 def _native_unsupported(net: nn.Module) -> str | None:
-    """Pruned heads (h * d_k != D) or a kernel that cannot be built for the model's shape
-    (built now) leave the path out rather than run PyTorch's operations under its name."""
-    if why := _vit_only(net):
-        return why
-    for i, attn in enumerate(block.attn for block in net.blocks):
-        if attn.num_heads * attn.head_dim != attn.embed_dim:
-            return (
-                f"block {i} has {attn.num_heads} heads of {attn.head_dim} features, not "
-                f"embed_dim={attn.embed_dim} (pruned heads); the C++ kernel assumes them equal"
-            )
-    return native.build_failure(net.num_tokens, net.blocks[0].attn.head_dim)
+    """A kernel that cannot be built for the model's shape (built now) leaves the path out
+    rather than run PyTorch's operations under its name."""
+    return _vit_only(net) or native.build_failure(net.num_tokens, net.blocks[0].attn.head_dim)
 
 
 def _core(core: Callable) -> Callable[[nn.Module], Callable[..., Any]]:
@@ -231,17 +220,12 @@ def time_candidates(
     budget_s: float = 6.0,
     augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """Images/s of each (path, precision) pair: ``"path precision" -> images/s``.
-
-    A step is what the loop's step pays: ``augment`` (the datamodule's batch augmentation)
-    of a random batch of ``batch_size`` images, forward, cross-entropy, backward, a fused
-    AdamW step. After one untimed step each, the pairs take turns for ``rounds`` rounds, in
-    reversed order every other round, of ``steps`` steps or as many as fill ``min_round_s``
-    (a 15 ms GPU step is too short to time alone), until ``budget_s`` seconds have passed.
-    A pair counts with its median round: on a shared machine a round's speed moves by 10% or
-    more either way, and the loop runs at the middle of that spread, not at its top. Runs on
-    a copy of ``net`` and restores the random-number state: the run that follows is unchanged.
-    """
+    """Images/s of each (path, precision) pair: ``"path precision" -> images/s``, the median
+    of ``rounds`` interleaved rounds (order reversed every other round; stopped after
+    ``budget_s`` seconds) of ``steps`` steps, or as many as fill ``min_round_s`` seconds. A
+    step is the loop's: ``augment`` of a random batch of ``batch_size`` images, forward,
+    cross-entropy, backward, fused AdamW (docs/speed.md, "How auto chooses"). Runs on a copy
+    of ``net`` and restores the random-number state: the run that follows is unchanged."""
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     model = copy.deepcopy(net).to(device).train()
@@ -330,8 +314,8 @@ def prepare_speed(module: Any, cfg: DictConfig, datamodule: Any = None) -> Choic
         augment=getattr(datamodule, "augment", None),
     )
     module.step_forward = PATHS[choice.path].build(module.net)
-    # A path this device offers that cannot run this model (its kernel did not build,
-    # pruned heads) is a fallback the user should see before the progress bar.
+    # A path this device offers that cannot run this model (its kernel did not build) is
+    # a fallback the user should see before the progress bar.
     fallen = [
         f"{name}: {why}"
         for name, why in choice.skipped.items()

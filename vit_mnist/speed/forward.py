@@ -17,7 +17,7 @@ from einops import rearrange
 from torch.autograd.function import once_differentiable
 
 from vit_mnist.models.attention import MultiHeadSelfAttention, causal_mask
-from vit_mnist.models.vit import EncoderBlock, VisionTransformer
+from vit_mnist.models.vit import VisionTransformer
 
 # (attention module, q_src, kv_src) -> Concat(head_1..head_h) (B, T_q, h*d_k), for W^O.
 # q_src: the packed qkv projection (B, T, 3*h*d_k) with kv_src None, else the queries
@@ -156,13 +156,11 @@ def residual(x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
     return branch.add_(x) if branch.dtype == x.dtype else x + branch
 
 
-def block_forward(
-    block: EncoderBlock, x: torch.Tensor, core: AttentionCore, queries: int = 0
-) -> torch.Tensor:
-    """``block(x)`` (ViT eq. 2-3) with ``core``; with ``queries`` > 0 the first rows alone."""
-    attn_out = attention_forward(block.attn, block.norm1(x), core, queries)
-    x = residual(x[:, :queries] if queries else x, block.drop_path(attn_out))
-    return residual(x, block.drop_path(block.mlp(block.norm2(x))))
+def add_norm(x: torch.Tensor, branch: torch.Tensor | None, norm: torch.nn.LayerNorm):
+    """``(s, norm(s))`` with ``s = x + branch`` (:func:`residual`; ``x`` where ``branch`` is
+    None): a residual add and the LayerNorm that reads its sum, x and branch (B, T, D)."""
+    x = x if branch is None else residual(x, branch)
+    return x, norm(x)
 
 
 def embed_forward(net: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
@@ -183,12 +181,19 @@ def vit_forward(
     x: torch.Tensor,
     core: AttentionCore = explicit_core,
     heads: bool = False,
+    add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = add_norm,
 ) -> Any:
     """``net(x)``: images (B, C, H, W) -> logits (B, num_classes), with ``core`` in every
-    block and the last block for the prefix tokens only; with ``heads`` the pair
-    ``net.forward_heads`` gives (a distillation's loss needs both)."""
-    x = embed_forward(net, x)
-    for block in net.blocks[:-1]:
-        x = block_forward(block, x, core)
-    x = net.norm(block_forward(net.blocks[-1], x, core, queries=net.num_prefix_tokens))
+    block, ``add_norm`` (as :func:`add_norm`) for each residual add and the LayerNorm after
+    it, and the last block for the prefix tokens only; with ``heads`` the pair
+    ``net.forward_heads`` gives (a distillation's loss needs both). A block's MLP branch is
+    added where the next block's first LayerNorm reads the sum (ViT eq. 2-3)."""
+    x, branch, n = embed_forward(net, x), None, net.num_prefix_tokens
+    for i, block in enumerate(net.blocks):
+        queries = n if i == len(net.blocks) - 1 else 0
+        x, h = add_norm(x, branch, block.norm1)
+        attn_out = block.drop_path(attention_forward(block.attn, h, core, queries))
+        x, h = add_norm(x[:, :queries] if queries else x, attn_out, block.norm2)
+        branch = block.drop_path(block.mlp(h))
+    x = net.norm(residual(x, branch))
     return net.forward_heads(x) if heads else net.forward_head(x)

@@ -26,14 +26,10 @@ from torch.autograd.function import once_differentiable
 
 from vit_mnist.hardware import cpuinfo_flags, isa_class
 from vit_mnist.io import atomic_write_bytes
-from vit_mnist.models.vit import EncoderBlock, VisionTransformer
+from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.speed import cache_root
-from vit_mnist.speed.forward import (
-    attention_forward,
-    embed_forward,
-    explicit_core,
-    written_backward_applies,
-)
+from vit_mnist.speed.forward import add_norm as pytorch_add_norm
+from vit_mnist.speed.forward import explicit_core, vit_forward, written_backward_applies
 
 SOURCES = {k: Path(__file__).with_name(f"{k}_cpu.cpp") for k in ("attention", "layer_norm")}
 MAX_TOKENS, MAX_HEAD_DIM = 128, 64  # the attention kernel's per-thread buffers
@@ -49,9 +45,8 @@ def build_target() -> str | None:
     """What the kernels are built for: ``"AVX-512"`` where PyTorch's own CPU kernels run
     AVX-512, ``"AVX2"`` where they run AVX2 (an AVX2 CPU, or an AVX-512 one under
     ``ATEN_CPU_CAPABILITY=avx2``), else None (ARM, an older x86)."""
-    isa = isa_class()
-    return (
-        "AVX2" if isa == "AVX2" else "AVX-512" if isa in ("AVX-512", "AVX512-BF16", "AMX") else None
+    return {"AVX2": "AVX2", "AVX-512": "AVX-512", "AVX512-BF16": "AVX-512", "AMX": "AVX-512"}.get(
+        isa_class()
     )
 
 
@@ -109,8 +104,6 @@ def library(kernel: str, target: str | None, *defines: str) -> Any:
     operations run instead with the same numbers."""
     if target is None or (kernel == "layer_norm" and target != "AVX-512"):
         return None  # the LayerNorm kernel is AVX-512 code; at AVX2 a build of it did not pay
-    if not torch.backends.openmp.is_available():
-        return None  # the kernel's threads would not be torch's
     name = "_".join([kernel, *defines])
     try:
         lib = ctypes.CDLL(str(build(kernel, (*TARGET_FLAGS[target], *defines))))
@@ -252,15 +245,14 @@ def add_norm_usable(x: torch.Tensor, branch: torch.Tensor | None, norm: nn.Layer
     )
 
 
-def add_norm(x, branch, norm: nn.LayerNorm, *, for_linear: bool):
+def add_norm(x, branch, norm: nn.LayerNorm, *, for_linear: bool = True):
     """``(s, norm(s))`` with ``s = x + branch`` (``x`` when ``branch`` is None): the kernel
     where :func:`add_norm_usable` and a backward follows, else PyTorch's operations. ``x``
     (..., D) float32, ``branch`` as ``x`` in float32 or bfloat16; ``s`` float32, ``norm(s)``
     float32, or bfloat16 with ``for_linear`` under CPU bf16 autocast (what autocast gives a
     Linear). Two-pass statistics (PyTorch: Welford), equal to float32 rounding."""
     if not (torch.is_grad_enabled() and x.requires_grad and add_norm_usable(x, branch, norm)):
-        x = x if branch is None else x + branch
-        return x, norm(x)
+        return pytorch_add_norm(x, branch, norm)
     bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     with torch.autocast("cpu", enabled=False):
         out_dtype = torch.bfloat16 if for_linear and bf16 else torch.float32
@@ -321,22 +313,8 @@ def native_core(attn, q_src: torch.Tensor, kv_src: torch.Tensor | None = None) -
     return explicit_core(attn, q_src, kv_src)
 
 
-def _block_deferred(block: EncoderBlock, x: torch.Tensor, branch: torch.Tensor | None):
-    """``(z, m)`` with ``z + m == block(x + branch)``: the MLP branch ``m`` not yet added."""
-    x, h = add_norm(x, branch, block.norm1, for_linear=True)
-    attn_out = block.drop_path(attention_forward(block.attn, h, native_core))
-    x, h = add_norm(x, attn_out, block.norm2, for_linear=True)
-    return x, block.drop_path(block.mlp(h))
-
-
 def native_vit_forward(net: VisionTransformer, x: torch.Tensor, heads: bool = False) -> Any:
-    """``net(x)`` on the C++ kernels: images (B, C, H, W) -> logits (B, num_classes); with
-    ``heads`` the pair ``net.forward_heads`` gives."""
-    x, branch, last, n = embed_forward(net, x), None, net.blocks[-1], net.num_prefix_tokens
-    for block in net.blocks[:-1]:
-        x, branch = _block_deferred(block, x, branch)
-    # The last block for the prefix tokens alone (only they reach the head, ViT eq. 4).
-    x, h = add_norm(x, branch, last.norm1, for_linear=True)
-    cls = x[:, :n] + last.drop_path(attention_forward(last.attn, h, native_core, n))
-    x = net.norm(cls + last.drop_path(last.mlp(last.norm2(cls))))
-    return net.forward_heads(x) if heads else net.forward_head(x)
+    """``net(x)`` on the C++ kernels (:func:`~vit_mnist.speed.forward.vit_forward` with
+    :func:`native_core` and :func:`add_norm`): images (B, C, H, W) -> logits
+    (B, num_classes); with ``heads`` the pair ``net.forward_heads`` gives."""
+    return vit_forward(net, x, native_core, heads, add_norm)
