@@ -54,7 +54,7 @@ FAILED_JOBS: list[tuple[str, str]] = []
 FAILED_FILE = "failed.json"
 
 
-def _multirun_job_dir() -> str | None:
+def multirun_job_dir() -> str | None:
     """The run dir of the current Hydra multirun job, or None outside a multirun."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -89,7 +89,7 @@ def exit_on_user_error(func: Callable[..., Any]) -> Callable[..., Any]:
             # A non-finite loss stops training mid-epoch, where the progress bar's line has
             # no newline yet: start the error on a line of its own.
             fresh = "\n" if isinstance(cause, NonFiniteLossError) else ""
-            job_dir = _multirun_job_dir()
+            job_dir = multirun_job_dir()
             if job_dir is None:
                 print(f"{fresh}error: {cause}", file=sys.stderr)
                 raise SystemExit(2) from None

@@ -663,13 +663,14 @@ def _check_target(key: str, node: Any) -> None:
             _check_target(f"{key}.{name}", value)
 
 
-def check_settings(cfg: DictConfig, schema: type) -> dict[str, Any]:
+def check_settings(cfg: DictConfig, schema: type, targets: bool = True) -> dict[str, Any]:
     """Check every key of ``cfg`` against ``schema`` (one of the ``*Settings`` classes).
 
     Order: interpolations resolve; every key is declared (or, in an open section such as
     ``trainer``, an argument of its ``_target_``); every value has its declared type and is
-    in its range or among its choices; every section with a ``_target_`` (``trainer``,
-    ``data``, ``module``, each callback and logger) takes only arguments of that class.
+    in its range or among its choices; with ``targets``, every section with a ``_target_``
+    (``trainer``, ``data``, ``module``, each callback and logger) takes only arguments of
+    that class, which imports it (torch, Lightning: seconds; without, no torch is needed).
 
     Returns:
         The resolved settings as plain Python values.
@@ -689,7 +690,7 @@ def check_settings(cfg: DictConfig, schema: type) -> dict[str, Any]:
         raise ConfigError(f"{key}: {' '.join(str(e).split())}") from None
     values.pop("hydra", None)
     check_arguments(schema, values)
-    for section, sub in values.items():
+    for section, sub in values.items() if targets else ():
         if isinstance(sub, dict) and "_target_" not in sub:  # callbacks, logger: named parts
             for name, item in sub.items():
                 _check_target(f"{section}.{name}", item)
