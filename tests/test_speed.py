@@ -205,9 +205,9 @@ def test_patch_embedding_as_a_matrix_product_is_the_convolution():
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_residual_adds_keep_the_reference_stream(bf16):
-    """The residual add written over the branch's buffer: the reference's values, and under
-    bf16 autocast the stream stays float32 as in the reference (a bf16 branch must not take
-    the sum); then each eager forward, whose blocks run on these adds, gives the model's."""
+    """The residual add: the reference's values, and under bf16 autocast the stream stays
+    float32 as in the reference (a bf16 branch must not take the sum); then each eager
+    forward, whose blocks run on these adds, gives the model's."""
     torch.manual_seed(0)
     net = VisionTransformer(patch_size=7, **TINY)
     x, norm = torch.randn(2, 17, TINY["embed_dim"]), net.blocks[0].norm1

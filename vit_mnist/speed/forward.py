@@ -150,16 +150,11 @@ def attention_forward(
     return attn.proj_dropout(attn.proj(core(attn, q_src, kv_src)))
 
 
-def residual(x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-    """``x + branch``, written over ``branch`` (fresh, unsaved by autograd) where the dtypes
-    agree: a new activation-sized buffer costs more than the add."""
-    return branch.add_(x) if branch.dtype == x.dtype else x + branch
-
-
 def add_norm(x: torch.Tensor, branch: torch.Tensor | None, norm: torch.nn.LayerNorm):
-    """``(s, norm(s))`` with ``s = x + branch`` (:func:`residual`; ``x`` where ``branch`` is
-    None): a residual add and the LayerNorm that reads its sum, x and branch (B, T, D)."""
-    x = x if branch is None else residual(x, branch)
+    """``(s, norm(s))`` with ``s = x + branch`` (``x`` where ``branch`` is None): a residual
+    add and the LayerNorm that reads its sum; x (B, T, D) float32, branch as x, or bfloat16
+    under autocast (the sum stays float32, as in the reference)."""
+    x = x if branch is None else x + branch
     return x, norm(x)
 
 
@@ -195,5 +190,5 @@ def vit_forward(
         attn_out = block.drop_path(attention_forward(block.attn, h, core, queries))
         x, h = add_norm(x[:, :queries] if queries else x, attn_out, block.norm2)
         branch = block.drop_path(block.mlp(h))
-    x = net.norm(residual(x, branch))
+    x = net.norm(x + branch)
     return net.forward_heads(x) if heads else net.forward_head(x)
