@@ -239,33 +239,36 @@ def test_every_package_is_installed():
 
 def test_multirun_writes_under_outputs_and_survives_a_bad_job(tmp_path, capsys, monkeypatch):
     """`python train.py -m ...` as typed: the sweep dir comes from configs/hydra, and a job
-    with an impossible setting (3 heads do not divide embed_dim 32) fails alone. The
-    sweep runs its jobs in the process that started it (Hydra's basic launcher)."""
+    with an impossible setting fails alone: 3 heads do not divide embed_dim 32 (checked
+    with the model), 0 heads is out of the schema's range (which the command line checks
+    before its imports, but not in a sweep, which goes on). The sweep runs its jobs in the
+    process that started it (Hydra's basic launcher)."""
     monkeypatch.chdir(tmp_path)
     code, _, stderr = in_process(
         monkeypatch,
         capsys,
         "-m",
-        "model.num_heads=3,2,4",
+        "model.num_heads=3,0,2,4",
         *ONE_EPOCH,
         *[o for o in TINY_MODEL if not o.startswith("model.num_heads")],
     )
     assert code == 1, stderr[-3000:]
     (sweep,) = (tmp_path / "outputs" / "train" / "multiruns").iterdir()
-    failed = json.loads((sweep / "0" / "failed.json").read_text())
-    assert failed["type"] == "ConfigError" and "num_heads=3" in failed["error"]
-    assert not (sweep / "0" / "metrics.json").exists()
+    for job, says in [("0", "num_heads=3"), ("1", "model.num_heads=0 must be a positive")]:
+        failed = json.loads((sweep / job / "failed.json").read_text())
+        assert failed["type"] == "ConfigError" and says in failed["error"], failed
+        assert not (sweep / job / "metrics.json").exists()
     assert sorted(
         json.loads((sweep / j / "metrics.json").read_text())["model"]["num_heads"]
-        for j in ("1", "2")
+        for j in ("2", "3")
     ) == [2, 4]
-    assert "1 job(s) of the sweep failed" in stderr and "Traceback" not in stderr
-    # The results table lists the failed job beside the runs that finished.
+    assert "2 job(s) of the sweep failed" in stderr and "Traceback" not in stderr
+    # The results table lists the failed jobs beside the runs that finished.
     from scripts.results import main as results_main
 
     assert results_main([str(sweep)]) == 0
     table = capsys.readouterr().out
-    assert "1 failed job(s)" in table and "num_heads=3" in table
+    assert "2 failed job(s)" in table and "num_heads=3" in table
 
 
 def test_ctrl_c_while_starting_up_is_one_line(monkeypatch, capsys, tmp_path):

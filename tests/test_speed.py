@@ -274,18 +274,20 @@ def test_auto_measures_and_picks_the_fastest(monkeypatch, one_round_auto):
     assert torch.equal(torch.get_rng_state(), rng)
 
 
-def test_isa_class_follows_aten_cpu_capability():
-    code = (
-        "from vit_mnist.hardware import isa_class, has_native_bf16;"
-        "import torch; from vit_mnist.speed.choose import PATHS;"
-        "print(isa_class(), has_native_bf16(False),"
-        "      PATHS['native'].unavailable(torch.device('cpu')))"
-    )
+def test_isa_class_follows_aten_cpu_capability(monkeypatch):
+    # In a process of its own (PyTorch reads the variable at start-up), importing no more
+    # than the class needs: torch alone, not the models' torchvision.
+    code = "from vit_mnist.hardware import isa_class, has_native_bf16;"
+    code += "print(isa_class(), has_native_bf16(False))"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     ).stdout
-    assert out.startswith("default False needs AVX2 or AVX-512"), out
+    assert out.split() == ["default", "False"], out
+    # What the native path then says, with that class.
+    monkeypatch.setattr("vit_mnist.speed.native.isa_class", lambda: "default")
+    why = PATHS["native"].unavailable(CPU)
+    assert why == "needs AVX2 or AVX-512, this CPU runs PyTorch at default", why
 
 
 @pytest.mark.parametrize("queries", [1, 2])  # the CLS token; and a distillation token
