@@ -281,7 +281,7 @@ def test_ctrl_c_while_starting_up_is_one_line(monkeypatch, capsys, tmp_path):
     cfg = compose_config("train", [], tmp_path)
     monkeypatch.setattr(cli.importlib, "import_module", interrupted)
     with pytest.raises(SystemExit) as exit_info:
-        cli._start("train", cfg, "train")
+        cli._start("train", cfg)
     assert exit_info.value.code == 130
     assert capsys.readouterr().err.strip() == (
         "Interrupted while starting up: nothing was run or written."

@@ -195,23 +195,23 @@ def _unknown_override(key: str, value: str | None, command: str) -> str:
     return unknown_key(key, schema, value)
 
 
-def _start(task: str, cfg: DictConfig, command: str) -> ModuleType:
+def _start(task: str, cfg: DictConfig, command: str | None = None) -> ModuleType:
     """Import ``vit_mnist.<task>`` (torch, Lightning: seconds) and quiet the console.
 
     Before the imports, outside a multirun, ``cfg``'s keys, types and ranges are checked
-    against the schema of ``command`` (:data:`vit_mnist.settings.SETTINGS`), which needs
-    neither: a bad value is one line (exit status 2) in about a second, not after them. The
-    task checks again with what needs the imports; in a multirun it alone does, so that a
-    bad job is recorded once and the sweep goes on. Ctrl-C during the imports ends the
-    program with one line and status 130 (128 + SIGINT), not a traceback through the
-    importers: nothing has been run or written yet.
+    against the schema of ``command`` (a key of :data:`vit_mnist.settings.SETTINGS`;
+    ``task`` by default), which needs neither: a bad value is one line (exit status 2) in
+    about a second, not after them. The task checks again with what needs the imports; in
+    a multirun it alone does, so that a bad job is recorded once and the sweep goes on.
+    Ctrl-C during the imports ends the program with one line and status 130 (128 +
+    SIGINT), not a traceback through the importers: nothing has been run or written yet.
     """
     from vit_mnist.errors import exit_on_user_error, multirun_job_dir
     from vit_mnist.settings import SETTINGS, check_settings
 
     _STARTED.append(task)
     if multirun_job_dir() is None:
-        exit_on_user_error(check_settings)(cfg, SETTINGS[command], targets=False)
+        exit_on_user_error(check_settings)(cfg, SETTINGS[command or task], targets=False)
     try:
         module = importlib.import_module(f"vit_mnist.{task}")
         from vit_mnist.console import quiet_console
@@ -275,7 +275,7 @@ def prepare_ddp_launch(trainer_cfg: DictConfig) -> None:
 def train(cfg: DictConfig) -> dict[str, Any] | float:
     """``vit-mnist-train [overrides]`` = ``python train.py [overrides]``. Returns the run's
     metrics, or with ``optimized_metric`` set (a hyper-parameter search) that one value."""
-    task = _start("train", cfg, "train")
+    task = _start("train", cfg)
     prepare_ddp_launch(cfg.trainer)
     metrics = task.main(cfg)
     name = cfg.get("optimized_metric")
@@ -290,21 +290,21 @@ def train(cfg: DictConfig) -> dict[str, Any] | float:
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="eval")
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """``vit-mnist-eval ckpt_path=PATH`` = ``python eval.py ckpt_path=PATH``."""
-    return _start("evaluate", cfg, "evaluate").main(cfg)
+    return _start("evaluate", cfg).main(cfg)
 
 
 @_command_line
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="predict")
 def predict(cfg: DictConfig) -> Any:
     """``vit-mnist-predict ckpt_path=PATH images=[a.png]`` = ``python scripts/predict.py ...``."""
-    return _start("predict", cfg, "predict").main(cfg)
+    return _start("predict", cfg).main(cfg)
 
 
 @_command_line
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="export")
 def export(cfg: DictConfig) -> Any:
     """``vit-mnist-export ckpt_path=PATH format=onnx`` = ``python scripts/export.py ...``."""
-    return _start("export", cfg, "export").main(cfg)
+    return _start("export", cfg).main(cfg)
 
 
 @_command_line

@@ -690,7 +690,9 @@ def check_settings(cfg: DictConfig, schema: type, targets: bool = True) -> dict[
         raise ConfigError(f"{key}: {' '.join(str(e).split())}") from None
     values.pop("hydra", None)
     check_arguments(schema, values)
-    for section, sub in values.items() if targets else ():
+    if not targets:
+        return values
+    for section, sub in values.items():
         if isinstance(sub, dict) and "_target_" not in sub:  # callbacks, logger: named parts
             for name, item in sub.items():
                 _check_target(f"{section}.{name}", item)
