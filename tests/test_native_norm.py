@@ -11,7 +11,7 @@ from vit_mnist.models import VisionTransformer
 from vit_mnist.speed import native
 from vit_mnist.speed.choose import PATHS
 from vit_mnist.speed.forward import attention_forward
-from vit_mnist.speed.native import native_core, native_vit_forward
+from vit_mnist.speed.native import native_core
 
 # Depends on the CPU's instruction set: CI runs it again under AVX2 emulation (.ci/run).
 pytestmark = pytest.mark.isa
@@ -82,14 +82,14 @@ def ours(**kwargs) -> VisionTransformer:
 
 
 def native_full_forward(net: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
-    """``native_vit_forward`` with every block run for all tokens (none CLS-only): the
-    last block's MLP branch meets the final LayerNorm in the kernel (``for_linear=False``)."""
-    x, branch = net._embed(x), None
+    """The native path with every block run for all tokens (none CLS-only): the
+    last block's MLP branch meets the final LayerNorm in the kernel."""
+    x, branch = net.embed(x), None
     for block in net.blocks:
         x, h = native.add_norm(x, branch, block.norm1)
         x, h = native.add_norm(x, attention_forward(block.attn, h, native_core), block.norm2)
         branch = block.mlp(h)
-    return net.forward_head(native.add_norm(x, branch, net.norm, for_linear=False)[1])
+    return net.forward_head(native.add_norm(x, branch, net.norm)[1])
 
 
 @needs_kernel
@@ -112,7 +112,7 @@ def test_native_forward_gives_the_models_numbers(bf16):
 def test_cls_only_and_full_last_block_agree_with_the_kernel():
     model = ours()
     x = torch.randn(3, 1, 28, 28)
-    fast = native_vit_forward(model, x)  # the last block for the CLS token only
+    fast = PATHS["native"].build(model)(x)  # the last block for the CLS token only
     full = native_full_forward(model, x)
     assert_same_values_and_gradients(fast, full, list(model.parameters()), atol=1e-6, rtol=1e-5)
 
@@ -126,16 +126,16 @@ def test_kernel_runs_in_cpu_training_steps_only(monkeypatch):
     calls = calls_to_kernel(monkeypatch)
     model = ours()
     x = torch.randn(2, 1, 28, 28)
-    native_vit_forward(model, x)  # depth 2: norm1 and norm2 of block 0, norm1 of block 1
+    PATHS["native"].build(model)(x)  # depth 2: norm1 and norm2 of block 0, norm1 of block 1
     assert len(calls) == 3
     native_full_forward(model, x)  # 4 in the blocks, and the final norm
     assert len(calls) == 8
     with torch.no_grad():
-        native_vit_forward(model, x)  # inference: PyTorch's operations, the reference numbers
+        PATHS["native"].build(model)(x)  # inference: PyTorch's operations, the reference numbers
     model(x)  # the model as written never calls it, nor its attention weights' path
     model.forward_with_attention(x)
     model.double()
-    native_vit_forward(model, x.double())  # float64: not a dtype the kernel takes
+    PATHS["native"].build(model)(x.double())  # float64: not a dtype the kernel takes
     assert len(calls) == 8
 
 
@@ -149,7 +149,7 @@ def test_without_a_compiler_it_warns_and_pytorchs_operations_run(monkeypatch, tm
             assert not native.add_norm_usable(torch.zeros(2, 48), None, torch.nn.LayerNorm(48))
         model = ours()
         with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler found"):
-            native_vit_forward(model, torch.randn(2, 1, 28, 28)).sum().backward()
+            PATHS["native"].build(model)(torch.randn(2, 1, 28, 28)).sum().backward()
         assert all(torch.isfinite(p.grad).all() for p in model.parameters())
         assert not any((tmp_path / "kernels").glob("*"))  # nothing half-built left behind
     finally:

@@ -22,9 +22,8 @@ from vit_mnist.speed.forward import (
     ExplicitAttention,
     add_norm,
     attention_forward,
-    embed_forward,
-    explicit_core,
     handwritten_backward_core,
+    reference_core,
     sdpa_core,
     vit_forward,
 )
@@ -183,26 +182,6 @@ def test_paths_run_the_models_own_parameters():
         torch.testing.assert_close(after, before + 1.0)
 
 
-def test_patch_embedding_as_a_matrix_product_is_the_convolution():
-    """Three channels, so that flattening a patch in another order than the conv weight's
-    (C, p, p) would show; values and gradients of every embedding parameter."""
-    torch.manual_seed(0)
-    net = VisionTransformer(img_size=12, patch_size=4, in_chans=3, **TINY)
-    x = torch.randn(2, 3, 12, 12)
-    params = dict(net.named_parameters())
-    keys = ("patch_embed.proj.weight", "patch_embed.proj.bias", "cls_token", "pos_embed")
-    ref = net._embed(x)
-    out = embed_forward(net, x)
-    torch.testing.assert_close(out, ref)
-    weights = torch.randn_like(ref)  # a loss whose gradient differs per token and feature
-    ref_grads = torch.autograd.grad((ref * weights).sum(), [params[k] for k in keys])
-    grads = torch.autograd.grad((out * weights).sum(), [params[k] for k in keys])
-    for key, grad, ref_grad in zip(keys, grads, ref_grads, strict=True):
-        torch.testing.assert_close(grad, ref_grad, msg=key)
-    with pytest.raises(ValueError, match="img_size=12"):
-        embed_forward(net, torch.randn(2, 3, 16, 16))
-
-
 @pytest.mark.parametrize("bf16", [False, True])
 def test_residual_adds_keep_the_reference_stream(bf16):
     """The residual add: the reference's values, and under bf16 autocast the stream stays
@@ -219,7 +198,7 @@ def test_residual_adds_keep_the_reference_stream(bf16):
     torch.testing.assert_close(h, norm(ref))
     images = torch.randn(2, 1, 28, 28)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        for core in (explicit_core, handwritten_backward_core, sdpa_core):
+        for core in (reference_core, handwritten_backward_core, sdpa_core):
             out = vit_forward(net, images, core)
             torch.testing.assert_close(out, net(images), atol=2e-2 if bf16 else 1e-5, rtol=1e-4)
 
@@ -293,7 +272,7 @@ def test_isa_class_follows_aten_cpu_capability(monkeypatch):
 @pytest.mark.parametrize("queries", [1, 2])  # the CLS token; and a distillation token
 @pytest.mark.parametrize("qkv_bias", [True, False])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("core", [explicit_core, sdpa_core, handwritten_backward_core])
+@pytest.mark.parametrize("core", [reference_core, sdpa_core, handwritten_backward_core])
 def test_cls_only_attention_is_the_first_rows_of_the_reference(core, causal, qkv_bias, queries):
     torch.manual_seed(0)
     attn = MultiHeadSelfAttention(embed_dim=24, num_heads=3, causal=causal, qkv_bias=qkv_bias)

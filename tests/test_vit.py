@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from vit_mnist.errors import ConfigError
 from vit_mnist.models import VisionTransformer
@@ -94,3 +95,20 @@ def test_wrong_image_size_is_a_clear_error():
     model = VisionTransformer(patch_size=7, **TINY)
     with pytest.raises(ValueError, match=r"\(32, 32\).*img_size=28"):
         model(torch.randn(1, 1, 32, 32))
+
+
+def test_patch_embedding_is_the_convolution_it_holds():
+    """ViT eq. 1 as a matrix product equals the convolution with kernel = stride = p whose
+    weight it holds (the layout of every checkpoint), in values and gradients. Three
+    channels, so that flattening a patch in another order than the weight's (C, p, p) shows."""
+    torch.manual_seed(0)
+    embed = VisionTransformer(img_size=12, patch_size=4, in_chans=3, **TINY).patch_embed
+    x = torch.randn(2, 3, 12, 12)
+    conv = F.conv2d(x, embed.proj.weight, embed.proj.bias, stride=4).flatten(2).transpose(1, 2)
+    out = embed(x)
+    torch.testing.assert_close(out, conv)
+    weights = torch.randn_like(out)  # a loss whose gradient differs per token and feature
+    params = [embed.proj.weight, embed.proj.bias]
+    grads = torch.autograd.grad((out * weights).sum(), params)
+    for grad, ref in zip(grads, torch.autograd.grad((conv * weights).sum(), params), strict=True):
+        torch.testing.assert_close(grad, ref)

@@ -36,7 +36,7 @@ def cls_dist_similarity(
     sums = torch.zeros(model.depth + 1, dtype=torch.float64)
     try:
         for start in range(0, len(images), batch_size):
-            x = model._embed(images[start : start + batch_size])
+            x = model.embed(images[start : start + batch_size])
             rows = [x]
             for block in model.blocks:
                 x = block(x)

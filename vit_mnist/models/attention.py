@@ -138,26 +138,33 @@ class MultiHeadSelfAttention(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         qkv = self.qkv(x)  # (B, T, 3*h*d_k): X W^Q, X W^K, X W^V for all heads at once
         q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, h=self.num_heads)
-        if self.fused and not need_weights:
-            out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                dropout_p=self.attn_dropout.p if self.training else 0.0,
-                is_causal=self.causal,
-                scale=self.scale,
-            )  # (B, h, T, d_k)
-            return self.proj_dropout(self.proj(rearrange(out, "b h t d -> b t (h d)")))
-        scores = q @ k.transpose(-2, -1) * self.scale  # (B, h, T, T): Q_i K_i^T / sqrt(d_k)
-        if self.causal:
-            scores = scores.masked_fill(causal_mask(*scores.shape[-2:], x.device), -math.inf)
-        if scores.dtype in (torch.bfloat16, torch.float16):
-            scores = scores.float()  # under autocast: a bfloat16 softmax loses precision
-        weights = self.softmax(scores)  # (B, h, T, T), rows sum to 1
-        heads = self.attn_dropout(weights).to(v.dtype) @ v  # (B, h, T, d_k): head_i
+        heads, weights = self.attention(q, k, v, need_weights)  # (B, h, T, d_k): head_i
         out = rearrange(heads, "b h t d -> b t (h d)")  # Concat(head_1, ..., head_h)
         out = self.proj_dropout(self.proj(out))  # ... W^O
         return (out, weights) if need_weights else out
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, need_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V (eq. 1), every head at once.
+
+        q (B, h, T_q, d_k), k and v (B, h, T_k, d_k) -> the heads (B, h, T_q, d_k) and the
+        weights (B, h, T_q, T_k) (None from the fused kernel). Query i is token i, for the
+        causal mask.
+        """
+        if self.fused and not need_weights:
+            dropout = self.attn_dropout.p if self.training else 0.0
+            heads = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout, is_causal=self.causal, scale=self.scale
+            )
+            return heads, None
+        scores = q @ k.transpose(-2, -1) * self.scale  # (B, h, T_q, T_k): Q_i K_i^T / sqrt(d_k)
+        if self.causal:
+            scores = scores.masked_fill(causal_mask(*scores.shape[-2:], q.device), -math.inf)
+        if scores.dtype in (torch.bfloat16, torch.float16):
+            scores = scores.float()  # under autocast: a bfloat16 softmax loses precision
+        weights = self.softmax(scores)  # rows sum to 1
+        return self.attn_dropout(weights).to(v.dtype) @ v, weights
 
     def extra_repr(self) -> str:
         return (

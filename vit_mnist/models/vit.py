@@ -16,6 +16,7 @@ teacher's hard labels (vit_mnist/distillation.py).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 from torchvision.ops import StochasticDepth
@@ -27,8 +28,9 @@ from vit_mnist.models.checks import check_vit_args
 class PatchEmbedding(nn.Module):
     """Cut an image into non-overlapping patches and project each to ``embed_dim``.
 
-    A convolution with kernel = stride = ``patch_size`` is the same linear map E as
-    flattening each patch and multiplying (ViT eq. 1), done in one kernel.
+    ViT eq. 1 as written: each patch flattened to ``in_chans * patch_size**2`` pixels and
+    multiplied by E. E is held as a convolution's weight (D, C, p, p) (kernel = stride = p,
+    the same linear map), the layout timm and every checkpoint of this project use.
 
     Shapes: (batch, in_chans, img_size, img_size) float -> (batch, num_patches, embed_dim),
     with ``num_patches = (img_size // patch_size) ** 2``.
@@ -48,8 +50,11 @@ class PatchEmbedding(nn.Module):
                 f"image of size {tuple(x.shape[-2:])} given to a model built for "
                 f"img_size={self.img_size}; resize the images or rebuild the model"
             )
-        x = self.proj(x)  # (B, D, H/p, W/p)
-        return rearrange(x, "b d gh gw -> b (gh gw) d")
+        p = self.patch_size
+        patches = rearrange(x, "b c (gh p1) (gw p2) -> b (gh gw) (c p1 p2)", p1=p, p2=p)
+        # A matrix product, not the convolution: oneDNN's backward of a one-channel
+        # convolution is slow on AVX2 CPUs.
+        return F.linear(patches, self.proj.weight.flatten(1), self.proj.bias)  # x_p E
 
 
 class MLP(nn.Module):
@@ -244,14 +249,16 @@ class VisionTransformer(nn.Module):
         tokens = [self.cls_token] if self.dist_token is None else [self.cls_token, self.dist_token]
         return [t.expand(batch, -1, -1) for t in tokens]
 
-    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (B, C, H, W) -> tokens (B, num_tokens, embed_dim), the prefix tokens first,
+        with the position embedding added (ViT eq. 1)."""
         x = self.patch_embed(x)  # (B, N, D)
         tokens = torch.cat([*self.prefix_tokens(x.shape[0]), x], dim=1)
         return self.pos_drop(tokens + self.pos_embed)  # (B, T, D)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normalised tokens (B, num_tokens, embed_dim)."""
-        x = self._embed(x)
+        x = self.embed(x)
         for block in self.blocks:
             x = block(x)
         return self.norm(x)
@@ -284,7 +291,7 @@ class VisionTransformer(nn.Module):
             logits (B, num_classes) and a list of ``depth`` tensors, each
             (B, block's num_heads, tokens, tokens), rows summing to 1.
         """
-        x = self._embed(x)
+        x = self.embed(x)
         weights = []
         for block in self.blocks:
             x, w = block(x, need_weights=True)

@@ -23,7 +23,7 @@ from vit_mnist.errors import ConfigError
 from vit_mnist.hardware import describe_device, has_native_bf16, uses_cuda
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.speed import PATH_NAMES, native
-from vit_mnist.speed.forward import handwritten_backward_core, sdpa_core, vit_forward
+from vit_mnist.speed.forward import add_norm, handwritten_backward_core, sdpa_core, vit_forward
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +117,8 @@ def _native_unsupported(net: nn.Module) -> str | None:
     return _vit_only(net) or native.build_failure(net.num_tokens, net.blocks[0].attn.head_dim)
 
 
-def _core(core: Callable) -> Callable[[nn.Module], Callable[..., Any]]:
-    return lambda net: functools.partial(vit_forward, net, core=core)
+def _core(core: Callable, norm: Callable = add_norm) -> Callable[[nn.Module], Callable[..., Any]]:
+    return lambda net: functools.partial(vit_forward, net, core=core, add_norm=norm)
 
 
 # In PATH_NAMES' order. Every path but the reference runs the last block for the CLS token
@@ -133,9 +133,7 @@ PATHS: dict[str, TrainingPath] = dict(
             TrainingPath(_compiled, _compile_unavailable, compiles=True),  # inductor
             # C++ kernels: attention (AVX2, AVX-512), residual add + LayerNorm (AVX-512).
             TrainingPath(
-                lambda net: functools.partial(native.native_vit_forward, net),
-                _native_unavailable,
-                _native_unsupported,
+                _core(native.native_core, native.add_norm), _native_unavailable, _native_unsupported
             ),
         ],
         strict=True,
@@ -226,30 +224,30 @@ def time_candidates(
     step is the loop's: ``augment`` of a random batch of ``batch_size`` images, forward,
     cross-entropy, backward, fused AdamW (docs/speed.md, "How auto chooses"). Runs on a copy
     of ``net`` and restores the random-number state: the run that follows is unchanged."""
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    model = copy.deepcopy(net).to(device).train()
-    images = torch.randn(batch_size, model.in_chans, model.img_size, model.img_size, device=device)
-    labels = torch.randint(0, model.head.out_features, (batch_size,), device=device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type in ("cpu", "cuda"))
-    forwards = {p: PATHS[p].build(model) for p, _ in pairs}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model = copy.deepcopy(net).to(device).train()
+        images = torch.randn(
+            batch_size, model.in_chans, model.img_size, model.img_size, device=device
+        )
+        labels = torch.randint(0, model.head.out_features, (batch_size,), device=device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        forwards = {p: PATHS[p].build(model) for p, _ in pairs}
 
-    def seconds_per_step(pair: Pair, n: int) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for _ in range(n):
-            batch = images if augment is None else augment(images)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled="bf16" in pair[1]):
-                loss = F.cross_entropy(forwards[pair[0]](batch), labels)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return (time.perf_counter() - start) / n
+        def seconds_per_step(pair: Pair, n: int) -> float:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(n):
+                batch = images if augment is None else augment(images)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled="bf16" in pair[1]):
+                    loss = F.cross_entropy(forwards[pair[0]](batch), labels)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return (time.perf_counter() - start) / n
 
-    try:
         step_s = {pair: seconds_per_step(pair, 1) for pair in pairs}
         speeds: dict[Pair, list[float]] = {pair: [] for pair in pairs}
         start = time.perf_counter()
@@ -260,11 +258,7 @@ def time_candidates(
                 speeds[pair].append(batch_size / step_s[pair])
             if time.perf_counter() - start > budget_s:
                 break
-    finally:
-        torch.set_rng_state(rng)
-        if cuda_rng:
-            torch.cuda.set_rng_state_all(cuda_rng)
-    return {f"{p} {q}": statistics.median(v) for (p, q), v in speeds.items()}
+        return {f"{p} {q}": statistics.median(v) for (p, q), v in speeds.items()}
 
 
 def choose(
@@ -314,14 +308,5 @@ def prepare_speed(module: Any, cfg: DictConfig, datamodule: Any = None) -> Choic
         augment=getattr(datamodule, "augment", None),
     )
     module.step_forward = PATHS[choice.path].build(module.net)
-    # A path this device offers that cannot run this model (its kernel did not build) is
-    # a fallback the user should see before the progress bar.
-    fallen = [
-        f"{name}: {why}"
-        for name, why in choice.skipped.items()
-        if PATHS[name].unavailable(device) is None and PATHS[name].unsupported(module.net)
-    ]
-    if fallen:
-        log.warning("speed path %s runs; cannot run here: %s", choice.path, "; ".join(fallen))
     log.info(choice.describe(device))
     return choice

@@ -1,13 +1,11 @@
 """The reference ViT's forward pass on its own modules (no weight copied), with a choice of
-attention core (:data:`AttentionCore`: the textbook arithmetic, PyTorch's fused kernel, or a
+attention core (:data:`AttentionCore`: the model's own arithmetic, PyTorch's fused kernel, or a
 hand-written backward). It differs from ``VisionTransformer.forward`` only beyond float
-rounding (tests/test_speed.py): the patch embedding is ViT eq. 1 as written, a matrix product
-(oneDNN's backward of a one-channel convolution is slow on AVX2), and the last block runs
-for the prefix (CLS, distillation) tokens only, as only they reach the head (ViT eq. 4)."""
+rounding (tests/test_speed.py): the last block runs for the prefix (CLS, distillation)
+tokens only, as only they reach the head (ViT eq. 4)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -34,16 +32,10 @@ def split_heads(q_src: torch.Tensor, kv_src: torch.Tensor | None, num_heads: int
     return rearrange(q_src, "b t (h d) -> b h t d", h=num_heads), k, v
 
 
-def explicit_core(attn: MultiHeadSelfAttention, q_src, kv_src=None) -> torch.Tensor:
-    """softmax(Q K^T / sqrt(d_k)) V step by step, as :class:`MultiHeadSelfAttention` does."""
-    q, k, v = split_heads(q_src, kv_src, attn.num_heads)
-    scores = q @ k.transpose(-2, -1) * attn.scale  # (B, h, T_q, T_k)
-    if attn.causal:
-        scores = scores.masked_fill(causal_mask(*scores.shape[-2:], q.device), -math.inf)
-    if scores.dtype in (torch.bfloat16, torch.float16):
-        scores = scores.float()
-    weights = attn.softmax(scores)
-    return rearrange(attn.attn_dropout(weights).to(v.dtype) @ v, "b h t d -> b t (h d)")
+def reference_core(attn: MultiHeadSelfAttention, q_src, kv_src=None) -> torch.Tensor:
+    """The model's own arithmetic, :meth:`MultiHeadSelfAttention.attention`."""
+    heads, _ = attn.attention(*split_heads(q_src, kv_src, attn.num_heads))
+    return rearrange(heads, "b h t d -> b t (h d)")
 
 
 def sdpa_core(attn: MultiHeadSelfAttention, q_src, kv_src=None) -> torch.Tensor:
@@ -94,22 +86,13 @@ class ExplicitAttention(torch.autograd.Function):
         grads = q.new_empty(3 if ctx.packed else 2, bh, k.shape[1], d)
         grad_k, grad_v = grads[-2], grads[-1]
         grad_q = grads[0] if ctx.packed else q.new_empty(bh, t_q, d)
-        # A single query (the CLS-only block) makes dV and dK outer products, one multiply
-        # each. Not in bf16, where the product would round before the scale is applied.
-        outer = t_q == 1 and q.dtype in (torch.float32, torch.float64)
-        product = torch.mul if outer else torch.bmm
-        product(weights.transpose(1, 2), grad_out, out=grad_v)
+        torch.bmm(weights.transpose(1, 2), grad_out, out=grad_v)
         grad_weights = torch.bmm(grad_out, v.transpose(1, 2))
         grad_scores = torch.ops.aten._softmax_backward_data.out(  # written over dP
             grad_weights, weights, -1, weights.dtype, grad_input=grad_weights
         )
         torch.baddbmm(grad_q, grad_scores, k, beta=0, alpha=ctx.scale, out=grad_q)
-        if outer:
-            torch.mul(grad_scores.transpose(1, 2), q, out=grad_k).mul_(ctx.scale)
-        else:
-            torch.baddbmm(
-                grad_k, grad_scores.transpose(1, 2), q, beta=0, alpha=ctx.scale, out=grad_k
-            )
+        torch.baddbmm(grad_k, grad_scores.transpose(1, 2), q, beta=0, alpha=ctx.scale, out=grad_k)
         grad_packed = rearrange(grads, "n (b h) t d -> b t (n h d)", b=b)  # the one copy
         if ctx.packed:
             return grad_packed, None, None, None, None
@@ -130,10 +113,10 @@ def written_backward_applies(attn: MultiHeadSelfAttention, q_src, kv_src) -> boo
 
 def handwritten_backward_core(attn: MultiHeadSelfAttention, q_src, kv_src=None) -> torch.Tensor:
     """:class:`ExplicitAttention` where :func:`written_backward_applies`, else
-    :func:`explicit_core`."""
+    :func:`reference_core`."""
     if written_backward_applies(attn, q_src, kv_src):
         return ExplicitAttention.apply(q_src, kv_src, attn.num_heads, attn.scale, attn.causal)
-    return explicit_core(attn, q_src, kv_src)
+    return reference_core(attn, q_src, kv_src)
 
 
 def attention_forward(
@@ -158,23 +141,10 @@ def add_norm(x: torch.Tensor, branch: torch.Tensor | None, norm: torch.nn.LayerN
     return x, norm(x)
 
 
-def embed_forward(net: VisionTransformer, x: torch.Tensor) -> torch.Tensor:
-    """``net._embed(x)``, ViT eq. 1 as written: each flattened patch times E, the conv weight
-    (D, C, p, p) seen as (D, C*p*p). Images (B, C, img_size, img_size) -> tokens
-    (B, num_tokens, D), CLS first. Raises ValueError for images of another size."""
-    embed, p = net.patch_embed, net.patch_embed.patch_size
-    if x.shape[-2:] != (embed.img_size, embed.img_size):
-        return net._embed(x)  # raises, naming both sizes
-    patches = rearrange(x, "b c (gh p1) (gw p2) -> b (gh gw) (c p1 p2)", p1=p, p2=p)
-    tokens = F.linear(patches, embed.proj.weight.flatten(1), embed.proj.bias)  # (B, N, D)
-    tokens = torch.cat([*net.prefix_tokens(tokens.shape[0]), tokens], dim=1)
-    return net.pos_drop(tokens + net.pos_embed)
-
-
 def vit_forward(
     net: VisionTransformer,
     x: torch.Tensor,
-    core: AttentionCore = explicit_core,
+    core: AttentionCore = reference_core,
     heads: bool = False,
     add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = add_norm,
 ) -> Any:
@@ -183,7 +153,7 @@ def vit_forward(
     it, and the last block for the prefix tokens only; with ``heads`` the pair
     ``net.forward_heads`` gives (a distillation's loss needs both). A block's MLP branch is
     added where the next block's first LayerNorm reads the sum (ViT eq. 2-3)."""
-    x, branch, n = embed_forward(net, x), None, net.num_prefix_tokens
+    x, branch, n = net.embed(x), None, net.num_prefix_tokens
     for i, block in enumerate(net.blocks):
         queries = n if i == len(net.blocks) - 1 else 0
         x, h = add_norm(x, branch, block.norm1)

@@ -25,11 +25,9 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from vit_mnist.hardware import cpuinfo_flags, isa_class
-from vit_mnist.io import atomic_write_bytes
-from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.speed import cache_root
 from vit_mnist.speed.forward import add_norm as pytorch_add_norm
-from vit_mnist.speed.forward import explicit_core, vit_forward, written_backward_applies
+from vit_mnist.speed.forward import reference_core, written_backward_applies
 
 SOURCES = {k: Path(__file__).with_name(f"{k}_cpu.cpp") for k in ("attention", "layer_norm")}
 MAX_TOKENS, MAX_HEAD_DIM = 128, 64  # the attention kernel's per-thread buffers
@@ -65,7 +63,7 @@ def build(kernel: str, defines: tuple[str, ...]) -> Path:
     """Compile ``SOURCES[kernel]`` with ``FLAGS`` and ``defines`` into
     ``$VIT_MNIST_CACHE/kernels/<kernel>_<hash>.so`` (the hash covers the source, compiler,
     flags and this CPU's flags: ``-march=native`` code is for this CPU only) and return its
-    path. Raises RuntimeError (why) on failure; a failed build is remembered there too."""
+    path. Raises RuntimeError (why) on failure."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
@@ -75,9 +73,6 @@ def build(kernel: str, defines: tuple[str, ...]) -> Path:
     target = cache_root() / "kernels" / f"{kernel}_{digest}.so"
     if target.exists():
         return target
-    if (failed := target.with_suffix(".failed")).is_file():
-        why = failed.read_text().strip()
-        raise RuntimeError(f"{why} (an earlier build; delete {failed} to retry)")
     target.parent.mkdir(parents=True, exist_ok=True)
     # A temporary name, then renamed: no reader (another DDP process) sees half a library.
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
@@ -86,10 +81,7 @@ def build(kernel: str, defines: tuple[str, ...]) -> Path:
         cmd = [cxx, *FLAGS, *defines, str(SOURCES[kernel]), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
-            why = f"{cxx} failed: {done.stderr.strip()[-500:]}"
-            with contextlib.suppress(OSError):
-                atomic_write_bytes(failed, why.encode())
-            raise RuntimeError(why)
+            raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, target)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -136,14 +128,12 @@ def attention_defines(t_k: int, head_dim: int, width: int | None = None) -> tupl
 def build_failure(tokens: int, head_dim: int) -> str | None:
     """Why the attention kernel for ``tokens`` and heads of ``head_dim`` features cannot be
     built or loaded here (building it now if need be); None where it can, or where such
-    inputs run on PyTorch operations by design. Emits no warning: the caller says it."""
+    inputs run on PyTorch operations by design. A failure warns once (:func:`library`)."""
     if not (1 <= tokens <= MAX_TOKENS and 1 <= head_dim <= MAX_HEAD_DIM):
         return None
     defines = attention_defines(tokens, head_dim)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        if library("attention", build_target(), *defines):
-            return None
+    if library("attention", build_target(), *defines):
+        return None
     return FAILURES.get("_".join(["attention", *defines]), "the library could not be loaded")
 
 
@@ -245,17 +235,17 @@ def add_norm_usable(x: torch.Tensor, branch: torch.Tensor | None, norm: nn.Layer
     )
 
 
-def add_norm(x, branch, norm: nn.LayerNorm, *, for_linear: bool = True):
+def add_norm(x, branch, norm: nn.LayerNorm):
     """``(s, norm(s))`` with ``s = x + branch`` (``x`` when ``branch`` is None): the kernel
     where :func:`add_norm_usable` and a backward follows, else PyTorch's operations. ``x``
     (..., D) float32, ``branch`` as ``x`` in float32 or bfloat16; ``s`` float32, ``norm(s)``
-    float32, or bfloat16 with ``for_linear`` under CPU bf16 autocast (what autocast gives a
-    Linear). Two-pass statistics (PyTorch: Welford), equal to float32 rounding."""
+    float32, or bfloat16 under CPU bf16 autocast (what autocast gives the Linear that reads
+    it). Two-pass statistics (PyTorch: Welford), equal to float32 rounding."""
     if not (torch.is_grad_enabled() and x.requires_grad and add_norm_usable(x, branch, norm)):
         return pytorch_add_norm(x, branch, norm)
     bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     with torch.autocast("cpu", enabled=False):
-        out_dtype = torch.bfloat16 if for_linear and bf16 else torch.float32
+        out_dtype = torch.bfloat16 if bf16 else torch.float32
         return AddLayerNorm.apply(x, branch, norm.weight, norm.bias, norm.eps, out_dtype)
 
 
@@ -303,18 +293,11 @@ class AddLayerNorm(torch.autograd.Function):
 
 def native_core(attn, q_src: torch.Tensor, kv_src: torch.Tensor | None = None) -> torch.Tensor:
     """An :data:`~vit_mnist.speed.forward.AttentionCore`: the attention kernel where it
-    takes the inputs and a backward follows, the explicit arithmetic otherwise."""
+    takes the inputs and a backward follows, the model's own arithmetic otherwise."""
     heads = attn.num_heads
     lib = (
         kernel_for(q_src, kv_src, heads) if written_backward_applies(attn, q_src, kv_src) else None
     )
     if lib is not None:
         return FusedCPUAttention.apply(lib, q_src, kv_src, heads, attn.scale, attn.causal)
-    return explicit_core(attn, q_src, kv_src)
-
-
-def native_vit_forward(net: VisionTransformer, x: torch.Tensor, heads: bool = False) -> Any:
-    """``net(x)`` on the C++ kernels (:func:`~vit_mnist.speed.forward.vit_forward` with
-    :func:`native_core` and :func:`add_norm`): images (B, C, H, W) -> logits
-    (B, num_classes); with ``heads`` the pair ``net.forward_heads`` gives."""
-    return vit_forward(net, x, native_core, heads, add_norm)
+    return reference_core(attn, q_src, kv_src)
