@@ -144,15 +144,22 @@ class MultiHeadSelfAttention(nn.Module):
         return (out, weights) if need_weights else out
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, need_weights: bool = False
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        need_weights: bool = False,
+        fused: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V (eq. 1), every head at once.
 
         q (B, h, T_q, d_k), k and v (B, h, T_k, d_k) -> the heads (B, h, T_q, d_k) and the
         weights (B, h, T_q, T_k) (None from the fused kernel). Query i is token i, for the
-        causal mask.
+        causal mask (the fused kernel's ``is_causal`` aligns it top-left too, so a single
+        query, token 0, sees key 0 only). ``fused``: PyTorch's fused kernel or the
+        step-by-step arithmetic; by default the layer's ``impl``.
         """
-        if self.fused and not need_weights:
+        if (self.fused if fused is None else fused) and not need_weights:
             dropout = self.attn_dropout.p if self.training else 0.0
             heads = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout, is_causal=self.causal, scale=self.scale

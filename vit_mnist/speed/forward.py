@@ -32,21 +32,18 @@ def split_heads(q_src: torch.Tensor, kv_src: torch.Tensor | None, num_heads: int
     return rearrange(q_src, "b t (h d) -> b h t d", h=num_heads), k, v
 
 
-def reference_core(attn: MultiHeadSelfAttention, q_src, kv_src=None) -> torch.Tensor:
-    """The model's own arithmetic, :meth:`MultiHeadSelfAttention.attention`."""
-    heads, _ = attn.attention(*split_heads(q_src, kv_src, attn.num_heads))
+def reference_core(
+    attn: MultiHeadSelfAttention, q_src, kv_src=None, fused: bool | None = None
+) -> torch.Tensor:
+    """The model's own arithmetic, :meth:`MultiHeadSelfAttention.attention` (``fused`` as
+    there)."""
+    heads, _ = attn.attention(*split_heads(q_src, kv_src, attn.num_heads), fused=fused)
     return rearrange(heads, "b h t d -> b t (h d)")
 
 
 def sdpa_core(attn: MultiHeadSelfAttention, q_src, kv_src=None) -> torch.Tensor:
-    """PyTorch's fused kernel. ``is_causal`` aligns the mask top-left, so a single CLS
-    query (token 0) sees key 0 only, as in the explicit path."""
-    q, k, v = split_heads(q_src, kv_src, attn.num_heads)
-    dropout = attn.attn_dropout.p if attn.training else 0.0
-    out = F.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout, is_causal=attn.causal, scale=attn.scale
-    )
-    return rearrange(out, "b h t d -> b t (h d)")
+    """The model's attention on PyTorch's fused kernel, whatever the layer's ``impl``."""
+    return reference_core(attn, q_src, kv_src, fused=True)
 
 
 class ExplicitAttention(torch.autograd.Function):
