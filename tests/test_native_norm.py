@@ -55,7 +55,7 @@ def test_kernel_gives_pytorchs_numbers(dim, branch_dtype, bf16_out):
     norm, x, branch = seeded(dim, branch_dtype)
     assert native.add_norm_usable(x, branch, norm)  # the kernel, not PyTorch's fallback
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_out):
-        s, y = native.add_norm(x, branch, norm, for_linear=True)
+        s, y = native.add_norm(x, branch, norm)
     ref_s, ref_y = pytorch_add_norm(x, branch, norm, bf16_out)
     assert s.dtype == torch.float32 and y.dtype == ref_y.dtype
     assert torch.equal(s, ref_s)  # the same one float32 add
