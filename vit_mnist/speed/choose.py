@@ -117,7 +117,9 @@ def _native_unsupported(net: nn.Module) -> str | None:
     return _vit_only(net) or native.build_failure(net.num_tokens, net.blocks[0].attn.head_dim)
 
 
-def _core(core: Callable, add_norm: Callable = add_norm) -> Callable[..., Any]:
+def _core(
+    core: Callable, add_norm: Callable = add_norm
+) -> Callable[[nn.Module], Callable[..., Any]]:
     return lambda net: functools.partial(vit_forward, net, core=core, add_norm=add_norm)
 
 
