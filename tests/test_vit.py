@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from vit_mnist.errors import ConfigError
-from vit_mnist.models import VisionTransformer
+from vit_mnist.models import VisionTransformer, check_model_args
 
 TINY = {"embed_dim": 32, "depth": 2, "num_heads": 4, "mlp_ratio": 2.0}
 
@@ -83,12 +83,21 @@ def test_overfits_one_small_batch():
         ({"attention_impl": "flash"}, ["attention_impl=flash", "explicit"]),
     ],
 )
-def test_impossible_shapes_raise_value_error_naming_values(kwargs, words):
+@pytest.mark.parametrize("build", [True, False], ids=["constructor", "check_model_args"])
+def test_impossible_shapes_raise_value_error_naming_values(kwargs, words, build):
+    # check_model_args (train's check before any data is loaded) takes the values left out
+    # from the constructor: img_size=28, num_heads=4.
     with pytest.raises(ValueError) as info:
-        VisionTransformer(**kwargs)
+        VisionTransformer(**kwargs) if build else check_model_args(kwargs)
     assert isinstance(info.value, ConfigError)
     for word in words:
         assert word in str(info.value)
+
+
+def test_check_model_args_takes_the_convnets_defaults():
+    check_model_args({"arch": "cnn"})
+    with pytest.raises(ConfigError, match="img_size=30"):
+        check_model_args({"arch": "cnn", "img_size": 30})
 
 
 def test_wrong_image_size_is_a_clear_error():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import nn
@@ -30,13 +31,18 @@ def _split(model: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def check_model_args(model: dict[str, Any]) -> None:
-    """Check a ``model`` config (or a checkpoint's model arguments) without building it.
+    """Check a ``model`` config (or a checkpoint's model arguments) without building it;
+    a key it leaves out takes the constructor's default.
 
     Raises:
         ConfigError: see :func:`check_vit_args` and :func:`check_cnn_args`.
+        TypeError: a key the constructor does not take.
     """
     arch, args = _split(model)
-    (check_cnn_args if arch == "cnn" else check_vit_args)(**args)
+    cnn = arch == "cnn"
+    bound = inspect.signature(ConvNet if cnn else VisionTransformer).bind(**args)
+    bound.apply_defaults()
+    (check_cnn_args if cnn else check_vit_args)(**bound.arguments)
 
 
 def build_model(model: dict[str, Any]) -> nn.Module:

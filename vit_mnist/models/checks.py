@@ -16,26 +16,28 @@ from vit_mnist.settings import ModelSettings, check_arguments
 
 def check_vit_args(
     *,
-    img_size: int = 28,
-    patch_size: int = 4,
-    in_chans: int = 1,
-    num_classes: int = 10,
-    embed_dim: int = 64,
-    depth: int = 6,
-    num_heads: int | Sequence[int] = 4,
-    head_dim: int | None = None,
-    mlp_ratio: float = 2.0,
-    dropout: float = 0.0,
-    attn_dropout: float = 0.0,
-    attention_impl: str = "explicit",
-    causal: bool = False,
-    qkv_bias: bool = True,
-    drop_path_rate: float = 0.0,
-    distillation: bool = False,
+    img_size: int,
+    patch_size: int,
+    in_chans: int,
+    num_classes: int,
+    embed_dim: int,
+    depth: int,
+    num_heads: int | Sequence[int],
+    head_dim: int | None,
+    mlp_ratio: float,
+    dropout: float,
+    attn_dropout: float,
+    attention_impl: str,
+    causal: bool,
+    qkv_bias: bool,
+    drop_path_rate: float,
+    distillation: bool,
 ) -> None:
-    """Check :class:`VisionTransformer` arguments without building anything.
+    """Check :class:`VisionTransformer` arguments without building anything: every one, by
+    name (the defaults are the constructor's alone).
 
-    Called by the constructor and, before any data is loaded, by ``train(cfg)``.
+    Called by the constructor and, before any data is loaded, by ``train(cfg)``
+    (:func:`~vit_mnist.models.check_model_args`, which fills in the defaults).
 
     Raises:
         ConfigError (a ValueError): a value the schema refuses (``dropout=1.5 must be in

@@ -19,7 +19,7 @@ WIDTHS = (32, 64)  # channels of the two stages
 HIDDEN = 128  # features of the hidden layer
 
 
-def check_cnn_args(*, img_size: int = 28, in_chans: int = 1, num_classes: int = 10) -> None:
+def check_cnn_args(*, img_size: int, in_chans: int, num_classes: int) -> None:
     """Check :class:`ConvNet` arguments without building anything.
 
     Raises:
