@@ -8,6 +8,7 @@ same module's parameters. The module itself, ``attn(x)``, is checked too in floa
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -47,23 +48,31 @@ needs_kernel = pytest.mark.skipif(
 TARGETS = [native.build_target()] if _WHY_NOT is None else []
 
 
-FLOAT32_SHAPES = [(50, 64, 4), (17, 16, 2), (65, 40, 2), (50, 64, 2), (1, 32, 2), (128, 128, 2)]
-# Each bf16 shape shares its build (keys per block, vectors per head row) with a float32
-# one at 8 floats a vector: every build costs a compiler run of seconds.
+# (65, 64, 2), 32-float heads, shares its build (keys per block, vectors per head row) with
+# (65, 40, 2) at 8 and at 16 floats a vector; each bf16 shape shares one with a float32
+# shape at 8 floats: every build costs a compiler run of seconds (4 at AVX2).
+FLOAT32_SHAPES = [(50, 64, 4), (17, 16, 2), (65, 40, 2), (65, 64, 2), (1, 32, 2), (128, 128, 2)]
 BF16_SHAPES = [(50, 64, 4), (17, 16, 2), (65, 40, 2), (65, 96, 3), (17, 10, 2)]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def kernels_built_two_at_a_time():
-    """Every library this module's tests load, built before them two at a time: a build
-    is one compiler process on one core, and there are about 1.5 s of them per shape class
-    and target."""
-    builds = {
-        (t, *native.attention_defines(tokens, dim // heads, native.LANES[t]))
-        for t in TARGETS
-        for tokens, dim, heads in FLOAT32_SHAPES + BF16_SHAPES
-    }
-    with ThreadPoolExecutor(max_workers=2) as pool:
+def kernels_built_first():
+    """Every library this module's tests load, built before them: a build is one compiler
+    process on one core, about 4 s per shape class and target on an AVX2 core. Alone, two
+    builds at a time; under xdist, one per worker, the second worker from the other end of
+    the list: both workers built every library at once before (20 to 25 s each), and now
+    each finds the other's builds in the shared cache (tests/conftest.py)."""
+    builds = sorted(
+        {
+            (t, *native.attention_defines(tokens, dim // heads, native.LANES[t]))
+            for t in TARGETS
+            for tokens, dim, heads in FLOAT32_SHAPES + BF16_SHAPES
+        }
+    )
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and int(worker.removeprefix("gw")) % 2:
+        builds.reverse()
+    with ThreadPoolExecutor(max_workers=1 if worker else 2) as pool:
         list(pool.map(lambda build: native.library("attention", *build), builds))
 
 
