@@ -122,7 +122,7 @@ def test_compiled_paths_give_the_reference_values_and_gradients(name, monkeypatc
     # the model's own parameters. The "aot_eager" backend runs those graphs as inductor
     # receives them, without inductor's C++ code generation (PyTorch's, tested there): on
     # 2 AVX2 cores with empty caches that compile took 46 to 57 s of the suite's 5 minutes,
-    # this about 10.
+    # this 12.
     compiled = []
     real_compile = torch.compile
 
