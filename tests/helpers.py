@@ -47,6 +47,23 @@ def count_applies(monkeypatch, function) -> list[int]:
     return calls
 
 
+def record_compiles(monkeypatch, backend: str) -> list[dict]:
+    """A list of the keyword arguments of each ``torch.compile`` call for as long as the
+    test runs; the calls go through with them, on ``backend`` ("eager", "aot_eager":
+    seconds where inductor's C++ takes a minute on 2 cores)."""
+    import torch
+
+    asked = []
+    real_compile = torch.compile
+
+    def compile_on_backend(fn, **kwargs):
+        asked.append(kwargs)
+        return real_compile(fn, backend=backend, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile_on_backend)
+    return asked
+
+
 def in_process(monkeypatch, capsys, *argv: str, task: str = "train") -> tuple[int, str, str]:
     """``vit_mnist.cli.<task>`` run in this process with ``argv``, as ``python <task>.py``
     runs it: (exit status, stdout, stderr). For what needs no process of its own: Hydra's

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import assert_same_values_and_gradients, count_applies
+from tests.helpers import assert_same_values_and_gradients, count_applies, record_compiles
 from vit_mnist.errors import ConfigError
 from vit_mnist.models.attention import MultiHeadSelfAttention
 from vit_mnist.models.vit import VisionTransformer
@@ -123,14 +123,7 @@ def test_compiled_paths_give_the_reference_values_and_gradients(name, monkeypatc
     # receives them, without inductor's C++ code generation (PyTorch's, tested there): on
     # 2 AVX2 cores with empty caches that compile took 46 to 57 s of the suite's 5 minutes,
     # this 12.
-    compiled = []
-    real_compile = torch.compile
-
-    def traced_only(fn, **kwargs):
-        compiled.append(kwargs)
-        return real_compile(fn, backend="aot_eager", **kwargs)
-
-    monkeypatch.setattr(torch, "compile", traced_only)
+    compiled = record_compiles(monkeypatch, "aot_eager")
     _assert_same(name, causal=False, patch_size=14, model=SMALLEST, batch=2)
     assert compiled == [{"dynamic": True, "mode": None}]  # one graph, at the training step
 

@@ -11,6 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch._dynamo.utils import counters
 
 from tests.conftest import compose_config
+from tests.helpers import record_compiles
 from vit_mnist.checkpointing import read_checkpoint
 from vit_mnist.errors import CheckpointError, ConfigError
 from vit_mnist.evaluate import evaluate
@@ -116,15 +117,8 @@ def test_auto_chooses_path_and_precision_by_measurement(make_train_cfg, one_roun
 
 
 def test_compile_path_keeps_plain_checkpoints(make_train_cfg, monkeypatch):
-    compiled = []
-    real_compile = torch.compile
-
-    def fast_compile(model, **kwargs):
-        # The eager backend checks the wiring in a second instead of inductor's minute.
-        compiled.append((model, kwargs))
-        return real_compile(model, backend="eager")
-
-    monkeypatch.setattr(torch, "compile", fast_compile)
+    # The eager backend checks the wiring in a second instead of inductor's minute.
+    compiled = record_compiles(monkeypatch, "eager")
     torch._dynamo.reset()
     counters.clear()
     cfg = make_train_cfg("speed.path=compile", "trainer.max_epochs=1")
@@ -134,7 +128,7 @@ def test_compile_path_keeps_plain_checkpoints(make_train_cfg, monkeypatch):
     # One graph, the training step's: validation and test run eagerly. A second meant a
     # recompile, as when einops met the cls_token Parameter.
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    assert len(compiled) == 1 and compiled[0][1] == {"dynamic": True, "mode": None}
+    assert compiled == [{"dynamic": True, "mode": None}]
     state = read_checkpoint(metrics["best_ckpt"])["state_dict"]
     assert state and all(k.startswith("net.") for k in state)
     ViTClassifier.load_from_checkpoint(metrics["best_ckpt"], map_location="cpu", weights_only=True)
