@@ -116,6 +116,22 @@ def test_hydra_errors_are_one_line(monkeypatch, capsys):
     assert "did you mean" not in unset
 
 
+def test_a_config_group_turned_off_is_told_how(monkeypatch, capsys, tmp_path):
+    # Hydra refuses `group=null` with a bare ValueError (pinned below): the line says to
+    # leave the group out with ~group, and lists the group's options.
+    line = hydra_error(monkeypatch, capsys, "logger=null")
+    assert "~logger" in line and "['csv', 'mlflow', 'tensorboard']" in line
+    assert "~hydra/launcher" in hydra_error(monkeypatch, capsys, "hydra/launcher=null")
+    # Without a logger, Lightning's LearningRateMonitor would stop the run once fitting had
+    # begun; the check says so before any data is read, and its fix composes and passes.
+    line = hydra_error(monkeypatch, capsys, "~logger", f"hydra.run.dir={tmp_path}")
+    assert "callbacks.lr_monitor" in line and "~logger callbacks.lr_monitor=null" in line
+    assert not (tmp_path / "checkpoints").exists()
+    from vit_mnist.train import check_config
+
+    check_config(compose_config("train", ["~logger", "callbacks.lr_monitor=null"], tmp_path))
+
+
 def test_a_checkout_that_is_not_installed_is_told_to_install_it(monkeypatch, capsys):
     # Without `pip install -e .`, configs/ is no package: Hydra finds no primary config.
     import hydra
@@ -352,6 +368,11 @@ def test_hydra_errors_are_told_apart_by_type_and_the_one_message_read_is_pinned(
     plus = error("+model.num_heads=4")
     assert type(plus) is ConfigCompositionException and plus.__cause__ is None
     assert str(plus).startswith(APPEND_EXISTING.format(key="model.num_heads"))
+    # `group=null` is refused by a plain ValueError, named by the group's override alone.
+    nulled = error("logger=null")
+    assert type(nulled) is ValueError
+    assert "~logger" in _hydra_error_line(nulled, "train", ["logger=null"])
+    assert _hydra_error_line(nulled, "train", ["seed=null"]) is None
     # Any other error without a cause is passed on as Hydra wrote it, in one line.
     sweep = error("model.depth=1,2")
     assert _hydra_error_line(sweep, "train", ["+model.foo=1", "model.depth=1,2"]) == " ".join(

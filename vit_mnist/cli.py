@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import gc
 import importlib
+import importlib.resources
 import logging
 import os
 import signal
@@ -179,6 +180,32 @@ def _hydra_error_line(error: Exception, command: str, argv: list[str]) -> str | 
         )
     if isinstance(error, HydraException):
         return " ".join(text.split())
+    nulled = _group_set_to_null(argv)
+    if isinstance(error, ValueError) and nulled is not None:
+        # Hydra refuses `group=null` with a bare ValueError, before its own error types.
+        key, options = nulled
+        choose = f", or choose one of {options} ({key}=NAME)" if options else ""
+        return (
+            f"{key}=null: a config group cannot be set to null on the command line; leave "
+            f"the group out with ~{key}{choose}"
+        )
+    return None
+
+
+def _group_set_to_null(argv: list[str]) -> tuple[str, list[str]] | None:
+    """``(group, its options)`` of the first ``group=null`` (or ``+group=null``) in ``argv``,
+    a group being a folder of ``configs/`` (options: its YAML files) or a path such as
+    ``hydra/launcher`` (options not listed: Hydra's plugins add some); None when there is none."""
+    configs = importlib.resources.files("vit_mnist.configs")
+    for arg in argv:
+        key, eq, value = arg.lstrip("+").partition("=")
+        if not eq or value.lower() != "null" or arg.startswith("~"):
+            continue
+        if "/" in key:  # its options may come from Hydra's plugins too
+            return key, []
+        folder = configs.joinpath(key)
+        if folder.is_dir():
+            return key, sorted(f.name[:-5] for f in folder.iterdir() if f.name.endswith(".yaml"))
     return None
 
 

@@ -102,8 +102,9 @@ def check_config(cfg: DictConfig) -> None:
 
     Every key's type and range against the schema (vit_mnist/settings.py), then what needs
     more than one value or the machine: the model's shape, the model against the dataset,
-    the augmentation's ranges together, the device and its precision, and that the data
-    directory can be written when the data must be fetched into it.
+    the augmentation's ranges together, the device and its precision, that the data
+    directory can be written when the data must be fetched into it, and a logger for the
+    callbacks that write through one.
 
     Raises:
         ConfigError: one line naming the key, the value and what would be valid.
@@ -129,6 +130,21 @@ def check_config(cfg: DictConfig) -> None:
     if data.get("data_dir") is not None:
         _check_data_dir(str(data.data_dir), getattr(datamodule_cls, "folder", "MNIST"))
     _check_device(cfg.trainer)
+    _check_loggers_for(cfg.get("callbacks") or {}, cfg.get("logger") or {})
+
+
+def _check_loggers_for(callbacks: DictConfig | dict, loggers: DictConfig | dict) -> None:
+    """A callback that writes through a logger (Lightning's ``LearningRateMonitor``, which
+    otherwise stops the run once fitting starts) needs one that is on."""
+    if any(loggers.values()):
+        return
+    for name, callback in callbacks.items():
+        if callback and str(callback.get("_target_", "")).endswith(".LearningRateMonitor"):
+            raise ConfigError(
+                f"callbacks.{name} writes the learning rate to a logger, and every logger is "
+                f"off; turn it off as well (~logger callbacks.{name}=null) or keep a logger "
+                "(logger=tensorboard)"
+            )
 
 
 def _experiment_name() -> str | None:
