@@ -51,6 +51,8 @@ def check(command: str, overrides: list[str], tmp_path=None) -> dict:
         ["+trainer.gradient_clip_val=1.0", "+trainer.accumulate_grad_batches=2"],
         ["model.num_heads=[2,4,4,8,8,8]", "+model.head_dim=16", "seed=0"],
         ["trainer.limit_train_batches=3", "trainer.limit_val_batches=0.5"],
+        ["callbacks.model_checkpoint.monitor=val/loss", "callbacks.model_checkpoint.mode=min"],
+        ["callbacks.model_checkpoint=null"],
     ],
 )
 def test_every_shipped_train_config_passes(overrides):
@@ -102,6 +104,9 @@ BAD = [
     ("train", ["model.dropout=1.0"], ["model.dropout=1.0", "in [0, 1)"]),
     ("train", ["data.split_seed=-1"], ["data.split_seed=-1", "in [0, 2**64)"]),
     ("train", ["callbacks.last_checkpoint.every_n_train_steps=0"], ["every_n_train_steps=0"]),
+    # Lightning would find an unlogged name only after the first validation, and stop there.
+    ("train", ["callbacks.model_checkpoint.monitor=val_acc"], ["monitor=val_acc", "val/acc"]),
+    ("train", ["callbacks.model_checkpoint.mode=maximum"], ["mode=maximum", "'max'"]),
     ("train", ["model.depth=null"], ["model.depth=null", "whole number"]),
     ("train", ["speed.compile=maybe"], ["speed.compile=maybe", "true or false"]),
     ("evaluate", ["ckpt_path=x", "precision=fp8"], ["precision=fp8", "32-true"]),

@@ -267,12 +267,28 @@ class LastCheckpointSettings:
 
 
 @dataclass
+class ModelCheckpointSettings:
+    """``callbacks.model_checkpoint`` (configs/callbacks/model_checkpoint.yaml), the best
+    checkpoint's ``ModelCheckpoint``, whose other arguments are checked by name."""
+
+    OPEN: ClassVar[bool] = True
+
+    # A name the module does not log stops Lightning only after the first validation.
+    monitor: str | None = _setting(
+        choices=[None, *SEARCH_METRICS, "train/acc", "train/loss"],
+        example="callbacks.model_checkpoint.monitor=val/acc",
+    )
+    mode: str = _setting(choices=["min", "max"], example="callbacks.model_checkpoint.mode=max")
+
+
+@dataclass
 class CallbacksSettings:
     """The callbacks by name (configs/callbacks/); any other may be added."""
 
     OPEN: ClassVar[bool] = True
 
     last_checkpoint: LastCheckpointSettings | None = None
+    model_checkpoint: ModelCheckpointSettings | None = None
 
 
 @dataclass
