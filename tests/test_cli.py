@@ -114,6 +114,9 @@ def test_hydra_errors_are_one_line(monkeypatch, capsys):
     unset = hydra_error(monkeypatch, capsys, "trainer.gradient_clip_val=1.0")
     assert "add it with a +: +trainer.gradient_clip_val=1.0" in unset
     assert "did you mean" not in unset
+    # A key under a section the config leaves null (eval.py's data: the checkpoint's own).
+    under = hydra_error(monkeypatch, capsys, "ckpt_path=x", "data.batch_size=512", task="evaluate")
+    assert "add it with a +: +data.batch_size=512" in under
 
 
 def test_a_config_group_turned_off_is_told_how(monkeypatch, capsys, tmp_path):

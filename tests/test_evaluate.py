@@ -17,11 +17,12 @@ from tests.conftest import compose_config
 from tests.test_distributed import read_events
 from tests.test_train import check_run
 from vit_mnist.analysis.heads import heads_zeroed
-from vit_mnist.checkpointing import resolve_ckpt_path
+from vit_mnist.checkpointing import checkpoint_datamodule, read_checkpoint, resolve_ckpt_path
+from vit_mnist.data.synthetic import SyntheticDataModule
 from vit_mnist.errors import ConfigError
 from vit_mnist.evaluate import evaluate
 from vit_mnist.models import VisionTransformer
-from vit_mnist.module import ViTClassifier
+from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
 from vit_mnist.predict import load_model, mnist_preprocess, predict_images
 from vit_mnist.train import train
 
@@ -107,6 +108,22 @@ def test_gpu_float16_checkpoint_evaluates_on_cpu(synthetic_ckpt, tmp_path):
         )
     )
     assert metrics["test/acc"] == fp32["test/acc"]
+
+
+def test_data_keys_given_to_eval_change_the_checkpoints_dataset(synthetic_ckpt, tmp_path):
+    # `+data.batch_size=16` keeps the dataset the checkpoint stores and changes that key
+    # (before, the bare {batch_size: 16} was "instantiated" and Lightning failed on it).
+    ckpt, _ = synthetic_ckpt
+    run_info = read_checkpoint(ckpt)[RUN_INFO_KEY]
+    assert run_info["data"]["batch_size"] != 16
+    cfg = compose_config("eval", [f"ckpt_path={ckpt}", "+data.batch_size=16"], tmp_path)
+    datamodule = checkpoint_datamodule(cfg, ckpt, run_info)
+    assert isinstance(datamodule, SyntheticDataModule) and datamodule.batch_size == 16
+    assert datamodule.sizes[2] == run_info["data"]["num_test"]
+    # A key the stored data module does not take is named, as for any data module.
+    cfg = compose_config("eval", [f"ckpt_path={ckpt}", "+data.fast=false"], tmp_path)
+    with pytest.raises(ConfigError, match="data.fast is not an argument of .*SyntheticData"):
+        checkpoint_datamodule(cfg, ckpt, run_info)
 
 
 def test_head_importance(synthetic_ckpt, tmp_path):

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from vit_mnist.errors import CheckpointError, ConfigError, WriteError
 from vit_mnist.io import atomic_write_bytes
 from vit_mnist.module import RUN_INFO_KEY
+from vit_mnist.settings import EvalSettings, check_settings
 
 log = logging.getLogger(__name__)
 
@@ -223,22 +224,32 @@ def resolve_ckpt_path(cfg: DictConfig) -> Path:
 def checkpoint_datamodule(
     cfg: DictConfig, ckpt_path: str | Path, run_info: dict[str, Any]
 ) -> L.LightningDataModule:
-    """The datamodule a checkpoint was trained on, or ``cfg.data`` when that is given.
+    """The datamodule a checkpoint was trained on, or ``cfg.data`` when that names a dataset
+    of its own (``data=fashion_mnist``); keys of ``cfg.data`` without a ``_target_``
+    (``+data.batch_size=512``) change the checkpoint's.
 
     The stored ``data_dir`` is replaced by this run's ``paths.data_dir``: the training
     machine's folder may not exist here.
 
     Raises:
-        CheckpointError: the checkpoint stores no data config and ``cfg.data`` is unset.
+        CheckpointError: the checkpoint stores no data config and ``cfg.data`` names none.
+        ConfigError: a key of ``cfg.data`` that the checkpoint's data module does not take.
     """
-    if cfg.get("data") is not None:
-        data_cfg = cfg.data
-    elif "data" in run_info:
-        data_cfg = OmegaConf.create(run_info["data"])
-        if "data_dir" in data_cfg:
-            data_cfg.data_dir = cfg.paths.data_dir
-    else:
+    given = cfg.get("data")
+    if given is not None and "_target_" in given:
+        return hydra.utils.instantiate(given)
+    if "data" not in run_info:
         raise CheckpointError(f"{ckpt_path} stores no data config; pass data=mnist (or another)")
+    data_cfg = OmegaConf.create(run_info["data"])
+    if "data_dir" in data_cfg:
+        data_cfg.data_dir = cfg.paths.data_dir
+    if given:
+        # Each given key's type and range were checked with the command's settings; whether
+        # the stored data module takes it needs that module.
+        check_settings(
+            OmegaConf.create({"data": {**given, "_target_": data_cfg._target_}}), EvalSettings
+        )
+        data_cfg = OmegaConf.merge(data_cfg, given)
     return hydra.utils.instantiate(data_cfg)
 
 

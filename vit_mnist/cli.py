@@ -160,7 +160,7 @@ def _hydra_error_line(error: Exception, command: str, argv: list[str]) -> str | 
     if isinstance(error, ConfigCompositionException):
         cause = error.__cause__
         if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
-            return _unknown_override(cause.full_key, _given(cause.full_key, argv), command)
+            return _unknown_override(cause.full_key, argv, command)
         for arg in argv:
             key, _, value = arg[1:].partition("=")
             if (
@@ -209,17 +209,20 @@ def _group_set_to_null(argv: list[str]) -> tuple[str, list[str]] | None:
     return None
 
 
-def _unknown_override(key: str, value: str | None, command: str) -> str:
+def _unknown_override(key: str, argv: list[str], command: str) -> str:
     """``model.num_head=4``: the nearest setting, or how to add an argument with ``+``."""
     from vit_mnist.settings import RETIRED, SETTINGS, known_keys, unknown_key
 
     schema = SETTINGS[command]
-    value = "..." if value is None else value
+    value = _given(key, argv)
     section, _, name = key.rpartition(".")
     if key not in RETIRED and name in known_keys(schema, section):
-        # A setting that this config's YAML leaves out.
-        return f"{key} is not set by this config; add it with a +: +{key}={value}"
-    return unknown_key(key, schema, value)
+        # A setting that this config's YAML leaves out, or a null section (eval.py's data)
+        # under which a key was given (data.batch_size=512).
+        under = (a.lstrip("+") for a in argv if a.lstrip("+").startswith(f"{key}."))
+        arg = f"{key}={value}" if value is not None else next(under, f"{key}=...")
+        return f"{key} is not set by this config; add it with a +: +{arg}"
+    return unknown_key(key, schema, "..." if value is None else value)
 
 
 def _start(task: str, cfg: DictConfig, command: str | None = None) -> ModuleType:
