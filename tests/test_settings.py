@@ -77,6 +77,7 @@ BAD = [
     ("train", ["module.weight_decay=abc"], ["module.weight_decay=abc", "a number"]),
     ("train", ["trainer.check_val_every_n_epoch=0"], ["check_val_every_n_epoch=0", ">= 1"]),
     ("train", ["trainer.accelerator=tpu"], ["trainer.accelerator=tpu", "'cpu'"]),
+    ("train", ["trainer.accelerator=mps"], ["trainer.accelerator=mps", "'cuda'"]),
     ("train", ["trainer.precision=fp8"], ["trainer.precision=fp8", "bf16-mixed"]),
     ("train", ["trainer.devices=0"], ["trainer.devices=0", "auto"]),
     ("train", ["trainer.limit_train_batches=1.5"], ["limit_train_batches=1.5", "[0, 1]"]),

@@ -74,9 +74,19 @@ def has_native_bf16(on_cuda: bool) -> bool:
     return isa_class() in ("AVX512-BF16", "AMX")
 
 
+def resolve_accelerator(accelerator: str) -> str:
+    """A Lightning ``accelerator`` setting (``auto``, ``cpu``, ``gpu``, ``cuda``) as the
+    device type it runs on here, ``cuda`` or ``cpu``: ``auto`` is ``cuda`` where there is a
+    CUDA device, else ``cpu`` (Lightning's own ``auto`` would take an Apple GPU, where no
+    speed path is timed)."""
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if accelerator == "gpu" else accelerator
+
+
 def uses_cuda(accelerator: str) -> bool:
     """Whether a Lightning ``accelerator`` setting runs on CUDA on this machine."""
-    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    return resolve_accelerator(accelerator) == "cuda"
 
 
 def resolve_precision(precision: Any, on_cuda: bool) -> str:

@@ -194,7 +194,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
     loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c]
     trainer: L.Trainer = hydra.utils.instantiate(
-        cfg.trainer, callbacks=callbacks, logger=loggers, precision=choice.precision
+        cfg.trainer, callbacks=callbacks, logger=loggers, **choice.trainer_args()
     )
     num_params = sum(p.numel() for p in module.net.parameters())
     for lg in trainer.loggers:

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from vit_mnist.errors import ConfigError
-from vit_mnist.hardware import describe_device, has_native_bf16, uses_cuda
+from vit_mnist.hardware import describe_device, has_native_bf16, resolve_accelerator
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.speed import PATH_NAMES, native
 from vit_mnist.speed.forward import add_norm, handwritten_backward_core, sdpa_core, vit_forward
@@ -147,8 +147,8 @@ PATHS: dict[str, TrainingPath] = dict(
 class Choice:
     """The ``path`` (a key of :data:`PATHS`) and Lightning ``precision`` a run trains with;
     ``images_per_s`` (``"path precision" -> images/s``) of every candidate timed, in
-    ``seconds`` of wall time, ``how`` (``measured`` or ``forced``), and ``skipped``
-    (``path -> why`` for the paths not timed)."""
+    ``seconds`` of wall time, ``how`` (``measured`` or ``forced``), ``skipped``
+    (``path -> why`` for the paths not timed) and the ``accelerator`` (``cpu``, ``cuda``)."""
 
     path: str
     precision: str
@@ -156,6 +156,11 @@ class Choice:
     seconds: float = 0.0
     how: str = "forced"
     skipped: dict[str, str] = field(default_factory=dict)
+    accelerator: str = "cpu"
+
+    def trainer_args(self) -> dict[str, str]:
+        """The Trainer's ``accelerator`` and ``precision``: where and how the path was timed."""
+        return {"accelerator": self.accelerator, "precision": self.precision}
 
     def describe(self, device: torch.device) -> str:
         """One log line: the choice, how long it took, every figure, what was left out."""
@@ -283,10 +288,10 @@ def choose(
     start = time.perf_counter()
     pairs, skipped = candidates(device, path, precision, include_compiled, net)
     if len(pairs) == 1:
-        return Choice(*pairs[0], skipped=skipped)
+        return Choice(*pairs[0], skipped=skipped, accelerator=device.type)
     speeds = time_candidates(net, pairs, device=device, batch_size=batch_size, augment=augment)
     best = max(speeds, key=speeds.get).split(" ")
-    return Choice(*best, speeds, time.perf_counter() - start, "measured", skipped)
+    return Choice(*best, speeds, time.perf_counter() - start, "measured", skipped, device.type)
 
 
 def prepare_speed(module: Any, cfg: DictConfig, datamodule: Any = None) -> Choice:
@@ -299,7 +304,7 @@ def prepare_speed(module: Any, cfg: DictConfig, datamodule: Any = None) -> Choic
         ConfigError: a forced path that cannot run here.
     """
     speed = cfg.get("speed") or {}
-    device = torch.device("cuda" if uses_cuda(str(cfg.trainer.get("accelerator"))) else "cpu")
+    device = torch.device(resolve_accelerator(str(cfg.trainer.get("accelerator", "auto"))))
     choice = choose(
         module.net,
         device=device,
