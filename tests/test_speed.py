@@ -592,26 +592,3 @@ def test_prepare_speed_sets_the_step_and_leaves_the_checkpoint_keys_alone():
         assert set(module.state_dict()) == keys
         x = torch.randn(2, 1, 28, 28)
         torch.testing.assert_close(module.step_forward(x), module.net(x), atol=1e-5, rtol=1e-4)
-
-
-def test_auto_trains_on_cuda_or_the_cpu_never_an_apple_gpu(monkeypatch):
-    """The Trainer gets the device the paths were timed on: Lightning's own ``auto`` would
-    take Apple's MPS where there is one, which no path is timed or tested on."""
-    from omegaconf import OmegaConf
-
-    from vit_mnist.hardware import resolve_accelerator
-    from vit_mnist.module import ViTClassifier
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    got = [resolve_accelerator(a) for a in ("auto", "cpu", "gpu", "cuda")]
-    assert got == ["cpu", "cpu", "cuda", "cuda"]
-    cfg = OmegaConf.create(
-        {
-            "speed": {"path": "reference", "compile": False},
-            "trainer": {"accelerator": "auto", "precision": "32-true"},
-            "data": {"batch_size": 4},
-        }
-    )
-    choice = prepare_speed(ViTClassifier(model=dict(patch_size=7, **TINY)), cfg)
-    assert choice.trainer_args() == {"accelerator": "cpu", "precision": "32-true"}

@@ -116,6 +116,24 @@ def test_auto_chooses_path_and_precision_by_measurement(make_train_cfg, one_roun
     assert any("bf16" in k for k in timed) == has_native_bf16(False)
 
 
+def test_accelerator_auto_trains_where_the_paths_were_timed(make_train_cfg, monkeypatch):
+    # On an Apple-silicon Mac, Lightning's own `auto` takes MPS, while the paths and the
+    # precision were timed on the CPU: the Trainer is given `cpu`. (Without the fix this
+    # run tries MPS and fails.)
+    from lightning.fabric.accelerators import mps as fabric_mps
+    from lightning.pytorch.accelerators import mps
+
+    from vit_mnist.hardware import resolve_accelerator
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for module in (fabric_mps, mps):
+        monkeypatch.setattr(module.MPSAccelerator, "is_available", staticmethod(lambda: True))
+    got = [resolve_accelerator(a) for a in ("auto", "cpu", "gpu", "cuda")]
+    assert got == ["cpu", "cpu", "cuda", "cuda"]
+    cfg = make_train_cfg("trainer.accelerator=auto", "trainer.max_epochs=1", "test=false")
+    assert train(cfg)["device"].startswith("cpu (")
+
+
 def test_compile_path_keeps_plain_checkpoints(make_train_cfg, monkeypatch):
     # The eager backend checks the wiring in a second instead of inductor's minute.
     compiled = record_compiles(monkeypatch, "eager")

@@ -147,8 +147,8 @@ PATHS: dict[str, TrainingPath] = dict(
 class Choice:
     """The ``path`` (a key of :data:`PATHS`) and Lightning ``precision`` a run trains with;
     ``images_per_s`` (``"path precision" -> images/s``) of every candidate timed, in
-    ``seconds`` of wall time, ``how`` (``measured`` or ``forced``), ``skipped``
-    (``path -> why`` for the paths not timed) and the ``accelerator`` (``cpu``, ``cuda``)."""
+    ``seconds`` of wall time, ``how`` (``measured`` or ``forced``), and ``skipped``
+    (``path -> why`` for the paths not timed)."""
 
     path: str
     precision: str
@@ -156,11 +156,6 @@ class Choice:
     seconds: float = 0.0
     how: str = "forced"
     skipped: dict[str, str] = field(default_factory=dict)
-    accelerator: str = "cpu"
-
-    def trainer_args(self) -> dict[str, str]:
-        """The Trainer's ``accelerator`` and ``precision``: where and how the path was timed."""
-        return {"accelerator": self.accelerator, "precision": self.precision}
 
     def describe(self, device: torch.device) -> str:
         """One log line: the choice, how long it took, every figure, what was left out."""
@@ -288,10 +283,10 @@ def choose(
     start = time.perf_counter()
     pairs, skipped = candidates(device, path, precision, include_compiled, net)
     if len(pairs) == 1:
-        return Choice(*pairs[0], skipped=skipped, accelerator=device.type)
+        return Choice(*pairs[0], skipped=skipped)
     speeds = time_candidates(net, pairs, device=device, batch_size=batch_size, augment=augment)
     best = max(speeds, key=speeds.get).split(" ")
-    return Choice(*best, speeds, time.perf_counter() - start, "measured", skipped, device.type)
+    return Choice(*best, speeds, time.perf_counter() - start, "measured", skipped)
 
 
 def prepare_speed(module: Any, cfg: DictConfig, datamodule: Any = None) -> Choice:
