@@ -43,7 +43,7 @@ from vit_mnist.checkpointing import (
     resolve_ckpt_path,
 )
 from vit_mnist.errors import ConfigError, exit_on_user_error
-from vit_mnist.hardware import describe_device, resolve_accelerator, resolve_precision, uses_cuda
+from vit_mnist.hardware import describe_device, resolve_accelerator, resolve_precision
 from vit_mnist.io import save_figure, save_png, write_csv, write_metrics
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
@@ -123,7 +123,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         )
     # The training precision, unless `precision=` says otherwise: bf16 and fp32 logits can
     # differ in the last bits, and the accuracy should match the training run's.
-    on_cuda = uses_cuda(str(cfg.trainer.accelerator))
+    accelerator = resolve_accelerator(str(cfg.trainer.accelerator))  # cuda or cpu
+    on_cuda = accelerator == "cuda"
     precision = resolve_precision(
         cfg.get("precision") or run_info.get("precision") or cfg.trainer.precision, on_cuda
     )
@@ -135,11 +136,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     # The reports, heads and pruning run trainer.predict: as many batches as the test loop.
     limit = {"limit_predict_batches": cfg.trainer.get("limit_test_batches", 1.0)}
     trainer: L.Trainer = hydra.utils.instantiate(
-        cfg.trainer,
-        logger=loggers,
-        precision=precision,
-        accelerator=resolve_accelerator(cfg.trainer.accelerator),
-        **limit,
+        cfg.trainer, logger=loggers, precision=precision, accelerator=accelerator, **limit
     )
     results = trainer.test(module, datamodule=datamodule)[0]
     if split != "test":
