@@ -177,6 +177,45 @@ def test_roles_analysis_on_the_validation_images(synthetic_ckpt, tmp_path):
     assert "roles/acc_drop/layer_0/head_0" in series
 
 
+def test_circuits_analysis(synthetic_ckpt, tmp_path):
+    """eval.py analysis=circuits: per-component attribution, the lens and patching between
+    the chosen classes, in CSV, PNG, metrics.json and TensorBoard; on split=val too."""
+    ckpt, _ = synthetic_ckpt
+    overrides = [f"ckpt_path={ckpt}", "trainer=cpu", "analysis=circuits", "split=val"]
+    overrides += ["circuits.pairs=[[0,1]]", "circuits.pair_images=3"]
+    metrics = evaluate(compose_config("eval", overrides, tmp_path))
+    rows = list(csv.DictReader((tmp_path / "circuits_heads.csv").open()))
+    components = [r["component"] for r in rows]
+    assert components == [
+        "embed", "L0H0", "L0H1", "L0 mlp", "L1H0", "L1H1", "L1 mlp", "biases"
+    ]  # fmt: skip
+    assert all(r["entropy_nats"] for r in rows if r["head"]) and not rows[0]["entropy_nats"]
+    assert len(rows[0]) == 3 + 3 + 20 + 2
+    lens = list(csv.DictReader((tmp_path / "circuits_lens.csv").open()))
+    assert [int(r["layer"]) for r in lens] == [0, 1]
+    assert metrics["circuits/lens_agreement"][-1] == 1.0
+    assert metrics["circuits/lens_accuracy"][-1] == pytest.approx(metrics["val/acc"], abs=0.01)
+    assert metrics["circuits/pairs"] == [["0", "1", 3]]
+    patching = list(csv.DictReader((tmp_path / "circuits_patching.csv").open()))
+    kinds = {(r["direction"], r["kind"]) for r in patching}
+    assert len(kinds) == 10
+    whole = [float(r["score"]) for r in patching if r["kind"] == "resid_all"]
+    assert whole == pytest.approx([1.0] * 4, abs=1e-3)  # 2 layers x 2 directions
+    for name in ("attribution", "lens", "patching", "patching_tokens"):
+        assert (tmp_path / f"circuits_{name}.png").read_bytes().startswith(b"\x89PNG"), name
+    series, _ = read_events(tmp_path)
+    assert "circuits/to_margin/layer_1/head_1" in series
+    assert "circuits/lens_accuracy" in series
+
+
+def test_circuits_refuses_a_class_the_model_lacks(synthetic_ckpt, tmp_path):
+    ckpt, _ = synthetic_ckpt
+    overrides = [f"ckpt_path={ckpt}", "trainer=cpu", "analysis=circuits", "circuits.pairs=[[3,12]]"]
+    with pytest.raises(ConfigError, match=r"class 12 in \[3, 12\] is outside 0..9"):
+        evaluate(compose_config("eval", overrides, tmp_path))
+    assert not (tmp_path / "metrics.json").exists()
+
+
 def test_faithfulness_analysis(synthetic_ckpt, tmp_path):
     ckpt, _ = synthetic_ckpt
     overrides = [f"ckpt_path={ckpt}", "trainer=cpu", "analysis=faithfulness"]

@@ -349,3 +349,62 @@ def tile_table(
 def grey(images: torch.Tensor) -> torch.Tensor:
     """(N, 1, H, W) images of any normalisation -> (N, 3, H, W) grey in [0, 1]."""
     return _unit(images.float().cpu()).expand(-1, 3, -1, -1)
+
+
+def heatmap_panels(
+    panels: torch.Tensor,
+    *,
+    titles: Sequence[str],
+    row_labels: Sequence[str],
+    col_labels: Sequence[str],
+    colorbar_label: str,
+    title: str,
+    limit: float | None = None,
+    columns: int = 4,
+    x_label: str = "",
+):
+    """Small multiples of heat maps on one diverging colour scale centred on 0, shared by
+    every panel (a pale panel is a small one), with a colour bar.
+
+    Args:
+        panels: (P, rows, cols) values; NaN cells (a head a pruned block lacks) are grey.
+        limit: the colour scale's half-width; None: the 98th percentile of the absolute
+            values (the colour bar's arrows stand for the cells beyond).
+        columns: panels per row of the figure.
+        x_label: under the bottom panels.
+
+    Returns:
+        A matplotlib figure (save it with :func:`vit_mnist.io.save_figure`).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = panels.float().cpu().numpy()
+    finite = np.abs(values[np.isfinite(values)])
+    # A few large cells (a class read by one MLP) would leave every other cell white: the
+    # scale ends at the 98th percentile, and the colour bar's arrows say that some go past.
+    limit = limit or float(np.quantile(finite, 0.98) if finite.size else 1.0) or 1.0
+    p, r, c = values.shape
+    columns = min(columns, p)
+    lines = math.ceil(p / columns)
+    size = (0.9 + 0.32 * c, 0.75 + 0.3 * r)
+    figsize = (size[0] * columns + 1.2, size[1] * lines + 0.6)
+    fig, axes = plt.subplots(
+        lines, columns, figsize=figsize, dpi=110, squeeze=False, layout="constrained"
+    )
+    cmap = colormaps["RdBu_r"].with_extremes(bad="#bbbbbb")
+    for i, ax in enumerate(axes.flat):
+        if i >= p:
+            ax.axis("off")
+            continue
+        image = ax.imshow(values[i], cmap=cmap, vmin=-limit, vmax=limit, aspect="auto")
+        ax.set_title(titles[i], fontsize=8)
+        ax.set_xticks(range(c), col_labels, fontsize=6, rotation=90 if c > 8 else 0)
+        ax.set_yticks(range(r), row_labels if i % columns == 0 else [], fontsize=6)
+        if x_label and i >= p - columns:
+            ax.set_xlabel(x_label, fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.colorbar(image, ax=axes, label=colorbar_label, shrink=0.8, extend="both")
+    return fig

@@ -26,6 +26,14 @@ from vit_mnist.analysis.heads import (
     head_importance,
     head_importance_figure,
 )
+from vit_mnist.analysis.logit_attribution import (
+    attribution_figure,
+    attribution_rows,
+    direct_logit_attribution,
+    margin_attribution,
+)
+from vit_mnist.analysis.logit_lens import lens_figure, logit_lens
+from vit_mnist.analysis.patching import DIRECTIONS, activation_patching, patching_figures
 from vit_mnist.analysis.per_class import (
     accuracy_and_loss,
     class_report,
@@ -54,12 +62,21 @@ log = logging.getLogger(__name__)
 
 def _check_analysis_and_split(cfg: DictConfig) -> None:
     # Each alone is checked by the schema (EvalSettings); together, the analyses but roles
-    # need the test images (roles asks what heads look at, which validation images show).
+    # and circuits need the test images (those two ask what heads do, which validation
+    # images show as well).
     split = cfg.get("split", "test")
-    if split != "test" and cfg.get("analysis") not in (None, "roles"):
+    if split != "test" and cfg.get("analysis") not in (None, "roles", "circuits"):
         raise ConfigError(
             f"analysis={cfg.analysis} runs on the test images; drop split={split} to run it"
         )
+
+
+def publish(figure, name: str, out: Path, writer) -> None:
+    """A matplotlib figure to TensorBoard (tag ``name``, when there is a writer) and to
+    ``out/<name>.png``; the figure is closed."""
+    if writer is not None:
+        writer.add_figure(name, figure, close=False)
+    save_figure(figure, out / f"{name}.png")
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
@@ -121,6 +138,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             f"analysis={cfg.analysis} studies attention heads; {ckpt_path} is a convnet "
             "(model=cnn): leave analysis out"
         )
+    if cfg.get("analysis") == "circuits":
+        check_class_pairs(cfg.circuits.pairs, module.net.head.out_features)
     # The training precision, unless `precision=` says otherwise: bf16 and fp32 logits can
     # differ in the last bits, and the accuracy should match the training run's.
     accelerator = resolve_accelerator(str(cfg.trainer.accelerator))  # cuda or cpu
@@ -164,14 +183,13 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         (lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None
     )
     if writer is not None:
-        writer.add_figure("confusion_matrix", cm_figure, close=False)
         writer.add_image("misclassified", grid)
         if relevance_grid is not None:
             writer.add_image("misclassified_relevance", relevance_grid)
         for r in rows:
             for key in ("accuracy", "precision", "recall"):
                 writer.add_scalar(f"{split}_per_class/{key}/{r['name']}", r[key])
-    save_figure(cm_figure, out / "confusion_matrix.png")
+    publish(cm_figure, "confusion_matrix", out, writer)
 
     metrics = {
         **results,
@@ -238,6 +256,21 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         metrics.update(
             analyse_pruning(quiet(), module, ckpt, datamodule, cfg.get("prune") or {}, out, writer)
         )
+    elif cfg.get("analysis") == "circuits":
+        pairs = circuit_pairs(cm, cfg.circuits)
+        metrics.update(
+            analyse_circuits(
+                module.net,
+                images,
+                labels,
+                pairs,
+                class_names,
+                pair_images=int(cfg.circuits.pair_images),
+                device=trainer.strategy.root_device,
+                out=out,
+                writer=writer,
+            )
+        )
     if writer is not None:
         writer.flush()  # the figures above, on disk before evaluate returns
     return write_metrics(out / "metrics.json", metrics)
@@ -286,10 +319,7 @@ def analyse_heads(trainer, module, loader, images, out: Path, writer) -> dict[st
     model = module.net
     title = f"test accuracy {100 * baseline['acc']:.2f}%: drop when one head is zeroed"
     heads = max(block.attn.num_heads for block in model.blocks)
-    figure = head_importance_figure(rows, model.depth, heads, title)
-    if writer is not None:
-        writer.add_figure("head_importance", figure, close=False)
-    save_figure(figure, out / "head_importance.png")
+    publish(head_importance_figure(rows, model.depth, heads, title), "head_importance", out, writer)
     print(
         f"{'layer':>5} {'head':>4} {'acc':>7} {'drop':>7} {'loss_up':>8} {'grad':>8} "
         f"{'entropy':>8} {'dist_px':>8}"
@@ -338,16 +368,13 @@ def analyse_roles(
             tag = f"layer_{r['layer']}/head_{r['head']}"
             for key in (*ROLE_COLUMNS, "acc_drop"):
                 writer.add_scalar(f"roles/{key}/{tag}", r[key])
-        writer.add_figure("roles", figure, close=False)
-    save_figure(figure, out / "roles.png")
+    publish(figure, "roles", out, writer)
     parts = parts_figure(
         pixels[:20],
         [class_names[int(c)] for c in labels[:20]],
         "skeleton (white), stroke ends (red circles), curves (blue squares)",
     )
-    if writer is not None:
-        writer.add_figure("roles_parts", parts, close=False)
-    save_figure(parts, out / "roles_parts.png")
+    publish(parts, "roles_parts", out, writer)
     print(
         f"{'layer':>5} {'head':>4} {'ink':>11} {'centre_px':>11} {'ends':>11} {'curves':>11} "
         f"{'dist_px':>7} {'entropy':>7} {'drop':>6}  most hurt"
@@ -459,8 +486,7 @@ def analyse_pruning(
     if writer is not None:
         for r in rows:
             writer.add_scalar("pruning/test_acc", r["test_acc"], global_step=r["heads_removed"])
-        writer.add_figure("pruning", figure, close=False)
-    save_figure(figure, out / "pruning.png")
+    publish(figure, "pruning", out, writer)
     print(f"{'step':>4} {'removed':>7} {'fraction':>8} {'acc':>7} {'loss':>7}  heads removed")
     for r in rows:
         print(
@@ -472,6 +498,180 @@ def analyse_pruning(
         f"{count_pruned:,} of {count:,} parameters"
     )
     return metrics
+
+
+def check_class_pairs(pairs, num_classes: int) -> None:
+    """Raise ConfigError for a ``circuits.pairs`` class the model does not have."""
+    for pair in pairs or []:
+        for c in pair:
+            if c >= num_classes:
+                raise ConfigError(
+                    f"circuits.pairs: class {c} in {list(pair)} is outside 0..{num_classes - 1} "
+                    f"(the checkpoint's model has {num_classes} classes); "
+                    "e.g. circuits.pairs=[[4,9]]"
+                )
+
+
+def circuit_pairs(cm: torch.Tensor, settings) -> list[tuple[int, int]]:
+    """The (clean, corrupted) class pairs that ``analysis=circuits`` patches: ``pairs`` when
+    given, else the ``num_pairs`` most confused pairs of the confusion matrix ``cm``
+    (K, K) (rows true, columns predicted): by errors in either direction, each oriented from
+    the class more often taken for the other; pairs never confused are left out."""
+    if settings.get("pairs"):
+        return [(int(a), int(b)) for a, b in settings.pairs]
+    errors = (cm + cm.T).triu(1)  # (K, K): errors between a and b, either way, a < b
+    order = errors.flatten().argsort(descending=True)[: int(settings.num_pairs)]
+    pairs = []
+    for i in order.tolist():
+        a, b = divmod(i, cm.shape[0])
+        if errors[a, b] > 0:
+            pairs.append((a, b) if cm[a, b] >= cm[b, a] else (b, a))
+    return pairs
+
+
+def token_names(model: VisionTransformer) -> list[str]:
+    """Names of the tokens: ``CLS`` (``dist``), then the patches as ``row,col``."""
+    grid = model.patch_embed.grid_size
+    prefix = ["CLS", "dist"][: model.num_prefix_tokens]
+    return prefix + [f"{r},{c}" for r in range(grid) for c in range(grid)]
+
+
+def analyse_circuits(
+    model: VisionTransformer,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    pairs: list[tuple[int, int]],
+    class_names: list[str],
+    *,
+    pair_images: int,
+    device: torch.device,
+    out: Path,
+    writer,
+) -> dict[str, Any]:
+    """What each head writes: direct logit attribution (per head and class), the logit
+    lens and activation patching between class pairs, as CSV, PNG, TensorBoard and a
+    terminal summary (:mod:`vit_mnist.analysis.logit_attribution`,
+    :mod:`~vit_mnist.analysis.logit_lens`, :mod:`~vit_mnist.analysis.patching`).
+
+    For each (a, b) of ``pairs`` the first ``pair_images`` images of class a and of class
+    b that the model classifies right are paired in order; ``logit_a - logit_b`` is the
+    metric. A distilled model's attribution is its CLS head's (the prediction averages two
+    heads' softmax, which is not a sum).
+
+    Writes ``circuits_heads.csv`` (per component: mean direct contribution to the true
+    class and to the margin over the runner-up, overall and per class, and each head's
+    attention entropy and distance), ``circuits_lens.csv``, ``circuits_patching.csv`` (one
+    row per patch: pair, direction, kind, layer, head, token, score) and the figures
+    ``circuits_attribution.png``, ``circuits_lens.png``, ``circuits_patching.png``,
+    ``circuits_patching_tokens.png``.
+
+    Returns:
+        ``circuits/lens_accuracy`` and ``circuits/lens_agreement`` (one fraction per
+        block), ``circuits/pairs`` (the pairs patched, with their image counts) and
+        ``circuits/num_images``.
+    """
+    model.to(device)
+    try:
+        attribution = direct_logit_attribution(model, images)
+        lens = logit_lens(model, images, labels)
+        entropy, distance = head_statistics(model, images[:1000])
+        predicted = lens.predictions[:, -1]
+        patched = []
+        for a, b in pairs:
+            right = predicted == labels
+            clean = images[right & (labels == a)][:pair_images]
+            corrupted = images[right & (labels == b)][:pair_images]
+            n = min(len(clean), len(corrupted))
+            if n == 0:
+                log.warning("no correctly classified images of %s or %s to patch", a, b)
+                continue
+            result = activation_patching(model, clean[:n], corrupted[:n], a, b)
+            patched.append(((a, b, n), result))
+    finally:
+        model.cpu()
+    names = class_names
+    rows = attribution_rows(attribution, labels, names)
+    for row in rows:  # where a head looks, beside what it writes
+        head = row["head"] != ""
+        row["entropy_nats"] = round(float(entropy[row["layer"], row["head"]]), 4) if head else ""
+        row["mean_distance_px"] = (
+            round(float(distance[row["layer"], row["head"]]), 3) if head else ""
+        )
+    write_csv(out / "circuits_heads.csv", rows)
+    write_csv(out / "circuits_lens.csv", lens.rows(names))
+
+    tokens = token_names(model)
+    patch_rows = [
+        {"clean": names[a], "corrupted": names[b], "pairs": n, **row}
+        for (a, b, n), result in patched
+        for row in result.rows(tokens)
+    ]
+    write_csv(out / "circuits_patching.csv", patch_rows)
+    split_size = f"{len(images)} images"
+    publish(
+        attribution_figure(
+            model,
+            attribution,
+            margin_attribution(attribution, labels)[1],
+            labels,
+            names,
+            f"direct logit attribution to the margin over the runner-up class, {split_size}",
+        ),
+        "circuits_attribution",
+        out,
+        writer,
+    )
+    publish(lens_figure(lens, names, f"logit lens, {split_size}"), "circuits_lens", out, writer)
+    if patched:
+        labelled = [(f"{names[a]} vs {names[b]} ({n} pairs)", r) for (a, b, n), r in patched]
+        by_head, by_token = patching_figures(
+            model, labelled, tokens, "activation patching: share of logit_a - logit_b"
+        )
+        publish(by_head, "circuits_patching", out, writer)
+        publish(by_token, "circuits_patching_tokens", out, writer)
+    if writer is not None:
+        for r in rows:
+            if r["head"] != "":
+                tag = f"layer_{r['layer']}/head_{r['head']}"
+                writer.add_scalar(f"circuits/to_margin/{tag}", r["to_margin"])
+        for layer in range(model.depth):
+            writer.add_scalar("circuits/lens_accuracy", float(lens.accuracy[layer]), layer)
+            writer.add_scalar("circuits/lens_agreement", float(lens.agreement[layer]), layer)
+    _print_circuits(rows, lens, patched, names)
+    return {
+        "circuits/num_images": len(images),
+        "circuits/lens_accuracy": [round(float(v), 6) for v in lens.accuracy],
+        "circuits/lens_agreement": [round(float(v), 6) for v in lens.agreement],
+        "circuits/pairs": [[names[a], names[b], n] for (a, b, n), _ in patched],
+    }
+
+
+def _print_circuits(rows, lens, patched, names) -> None:
+    """The terminal summary of :func:`analyse_circuits`."""
+    print("direct logit attribution (logits, mean over images; margin = true - runner-up)")
+    print(f"{'component':>10} {'to_true':>8} {'to_margin':>9}  {'top class':<9} entropy dist_px")
+    for r in rows:
+        looks = f"{r['entropy_nats']:7.3f} {r['mean_distance_px']:7.2f}" if r["head"] != "" else ""
+        print(
+            f"{r['component']:>10} {r['to_true']:8.3f} {r['to_margin']:9.3f}  "
+            f"{r['top_class']:<9} {looks}"
+        )
+    accuracy = " ".join(f"{100 * float(v):.1f}%" for v in lens.accuracy)
+    print(f"logit lens, accuracy after each block: {accuracy}")
+    for (a, b, n), result in patched:
+        restored, destroyed = (result.score(d, "heads").flatten() for d in DIRECTIONS)
+        width = result.score("denoising", "heads").shape[1]
+        order = restored.nan_to_num(float("-inf")).argsort(descending=True)[:3].tolist()
+        best = ", ".join(
+            f"L{i // width}H{i % width} {float(restored[i]):.2f}/{float(destroyed[i]):.2f}"
+            for i in order
+        )
+        mlp, mlp_noised = (result.score(d, "mlp") for d in DIRECTIONS)
+        top = int(mlp.argmax())
+        print(
+            f"patching {names[a]} vs {names[b]} ({n} pairs), restored/destroyed: heads {best}; "
+            f"MLP L{top} {float(mlp[top]):.2f}/{float(mlp_noised[top]):.2f}"
+        )
 
 
 def analyse_faithfulness(
@@ -513,9 +713,7 @@ def analyse_faithfulness(
             metrics[f"faithfulness/{r['method']}/{key}"] = r[key]
             if writer is not None:
                 writer.add_scalar(f"faithfulness/{r['method']}/{key}", r[key])
-    if writer is not None:
-        writer.add_figure("faithfulness", figure, close=False)
-    save_figure(figure, out / "faithfulness.png")
+    publish(figure, "faithfulness", out, writer)
     print(f"perturbation test on {result.num_images} test images ({len(result.fractions)} steps)")
     print(f"{'method':>10} {'positive_auc':>13} {'negative_auc':>13}")
     for r in rows:

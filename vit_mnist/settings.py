@@ -330,6 +330,35 @@ class PruneSettings:
     normalise: bool = _setting()
 
 
+def _class_pairs(value: Any) -> str | None:
+    def is_class(c: Any) -> bool:
+        return isinstance(c, int) and not isinstance(c, bool) and c >= 0
+
+    if value is None or (
+        isinstance(value, (list, tuple))
+        and value
+        and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and all(map(is_class, p)) and p[0] != p[1]
+            for p in value
+        )
+    ):
+        return None
+    return (
+        "must be null (the checkpoint's most confused pairs) or a list of [clean, corrupted] "
+        "pairs of two different classes, such as [[4,9],[7,2]]"
+    )
+
+
+@dataclass
+class CircuitsSettings:
+    """``eval.py analysis=circuits``: direct logit attribution, the logit lens, and
+    activation patching between pairs of classes."""
+
+    num_pairs: int = _setting(ge=1, example="circuits.num_pairs=3")
+    pairs: Any = _setting(check=_class_pairs, example="circuits.pairs=[[4,9],[7,2]]")
+    pair_images: int = _setting(ge=1, example="circuits.pair_images=50")
+
+
 @dataclass
 class EvalSettings:
     """``python eval.py`` (configs/eval.yaml)."""
@@ -337,12 +366,15 @@ class EvalSettings:
     task_name: str = _setting()
     seed: int = _seed()
     ckpt_path: str = _setting(example="ckpt_path=latest")
-    analysis: str | None = _setting(choices=[None, "heads", "faithfulness", "prune", "roles"])
+    analysis: str | None = _setting(
+        choices=[None, "heads", "faithfulness", "prune", "roles", "circuits"]
+    )
     split: str = _setting(choices=["test", "val"])
     test_time_shift: int | None = _test_time_shift("test_time_shift")
     faithfulness: FaithfulnessSettings = field(default_factory=FaithfulnessSettings)
     precision: Any = _setting(check=_precision)
     prune: PruneSettings = field(default_factory=PruneSettings)
+    circuits: CircuitsSettings = field(default_factory=CircuitsSettings)
     data: DataSettings | None = None
     trainer: TrainerSettings = field(default_factory=TrainerSettings)
     logger: dict[str, Any] | None = None

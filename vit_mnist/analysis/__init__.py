@@ -11,7 +11,11 @@
 - :mod:`vit_mnist.analysis.per_class`: per-class metrics, confusion matrix, errors;
 - :mod:`vit_mnist.analysis.distillation`: the distillation token beside the CLS token (DeiT);
 - :mod:`vit_mnist.analysis.explain`: all of the above for one image with heads switched
-  off, as the explorer shows it.
+  off, as the explorer shows it;
+- what heads write, not where they look: :mod:`vit_mnist.analysis.components` (the
+  residual stream as a sum of the embedding, each head, each MLP), direct logit attribution
+  (:mod:`vit_mnist.analysis.logit_attribution`), activation patching
+  (:mod:`vit_mnist.analysis.patching`) and the logit lens (:mod:`vit_mnist.analysis.logit_lens`).
 
 Each function takes any :class:`~vit_mnist.models.vit.VisionTransformer` and any batch.
 """
@@ -33,11 +37,17 @@ from vit_mnist.analysis.heads import (
     heads_switched_off,
     heads_zeroed,
 )
+from vit_mnist.analysis.logit_attribution import direct_logit_attribution
+from vit_mnist.analysis.logit_lens import logit_lens
+from vit_mnist.analysis.patching import activation_patching
 from vit_mnist.analysis.pruning import prune_heads, prune_iteratively
 from vit_mnist.analysis.relevance import class_relevance
 
 __all__ = [
     "ImageExplanation",
+    "activation_patching",
+    "direct_logit_attribution",
+    "logit_lens",
     "attention_entropy",
     "attention_report",
     "attention_rollout",

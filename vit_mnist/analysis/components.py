@@ -1,0 +1,174 @@
+"""The residual stream written as the sum it is: the embedding, each head's output, each
+MLP's output and the biases, as the model's own modules compute them.
+
+A pre-norm block adds to the residual stream (ViT eq. 2 and 3):
+
+    z'_l = z_{l-1} + sum_i head_i(LN(z_{l-1})) W^O_i + b^O                (eq. 2)
+    z_l  = z'_l + MLP(LN(z'_l))                                          (eq. 3)
+
+where ``W^O_i`` is head i's slice of the output projection (the rows of ``W^O`` that
+multiply head i in ``Concat(head_1, ..., head_h) W^O``; Elhage et al. 2021, "A
+Mathematical Framework for Transformer Circuits", section "Attention Heads are Independent
+and Additive"). :func:`run_components` runs a :class:`VisionTransformer` block by block
+through its own ``norm1``, ``qkv``, explicit attention, ``proj`` weights, ``norm2`` and
+``mlp`` and keeps every term; :func:`resume` continues a forward pass from a residual
+stream, which is what activation patching needs. Neither changes the model: a head mask is
+an argument (as Michel et al. 2019's gates xi_h, eq. 1), not a hook.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from einops import rearrange
+
+from vit_mnist.models.vit import EncoderBlock, VisionTransformer
+
+
+@dataclass
+class Components:
+    """One forward pass of a batch, every term of the residual stream kept.
+
+    Shapes (B images, T tokens, D = embed_dim, h_l = heads of block l, K classes), float32:
+
+    Attributes:
+        embed: (B, T, D) z_0: prefix tokens and patch embeddings plus ``pos_embed``.
+        resid_pre: per block, (B, T, D) its input z_{l-1} (``resid_pre[0]`` is ``embed``).
+        heads: per block, (B, h_l, T, D): head i's output times its slice of W^O, without
+            the bias (zero for a head switched off by the mask).
+        attn_bias: per block, (D,) the bias b^O of W^O.
+        resid_mid: per block, (B, T, D) z'_l, after the attention's residual line.
+        mlp: per block, (B, T, D) the MLP's output (its biases included).
+        resid_post: per block, (B, T, D) z_l, the block's output.
+        weights: per block, (B, h_l, T, T) the attention weights, rows summing to 1.
+        logits: (B, K) the model's prediction from ``resid_post[-1]`` (for a distilled
+            model, the two heads' softmax averaged, as its forward does).
+    """
+
+    embed: torch.Tensor
+    resid_pre: list[torch.Tensor]
+    heads: list[torch.Tensor]
+    attn_bias: list[torch.Tensor]
+    resid_mid: list[torch.Tensor]
+    mlp: list[torch.Tensor]
+    resid_post: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    logits: torch.Tensor
+
+
+def head_outputs(
+    block: EncoderBlock, x: torch.Tensor, gate: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's output through its slice of W^O, and the attention weights.
+
+    Args:
+        block: an encoder block (its ``norm1`` and ``attn`` are used, explicit path).
+        x: (B, T, D) the block's input z_{l-1}.
+        gate: (h,) multipliers of the heads' outputs (1 on, 0 off), or None.
+
+    Returns:
+        (B, h, T, D) ``head_i W^O_i`` (their sum plus ``attn.proj.bias`` is the attention
+        branch of eq. 2), and the weights (B, h, T, T).
+    """
+    attn = block.attn
+    qkv = attn.qkv(block.norm1(x))
+    q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, h=attn.num_heads)
+    heads, weights = attn.attention(q, k, v, need_weights=True)  # (B, h, T, d_k)
+    w_o = rearrange(attn.proj.weight, "e (h d) -> h d e", h=attn.num_heads)  # W^O_i: (d_k, D)
+    out = torch.einsum("bhtd,hde->bhte", heads, w_o)
+    if gate is not None:
+        out = out * gate.to(out)[:, None, None]
+    return out, weights
+
+
+def check_head_mask(model: VisionTransformer, head_mask: torch.Tensor | None) -> None:
+    """Raise ValueError unless ``head_mask`` is None or (depth, max heads of a block)."""
+    shape = (model.depth, max(b.attn.num_heads for b in model.blocks))
+    if head_mask is not None and tuple(head_mask.shape) != shape:
+        raise ValueError(f"head_mask of shape {tuple(head_mask.shape)}; this model needs {shape}")
+
+
+def run_components(
+    model: VisionTransformer, images: torch.Tensor, *, head_mask: torch.Tensor | None = None
+) -> Components:
+    """Run ``model`` on ``images`` and keep every term of its residual stream.
+
+    The model's own modules in the order of its forward, attention by the explicit path
+    whatever ``attention_impl`` it was built with; call it in eval mode (no dropout) and,
+    when no gradient is wanted, under :func:`torch.no_grad`. Nothing of the model is
+    changed, so concurrent calls with different masks are independent.
+
+    Args:
+        model: a :class:`VisionTransformer` (distilled and pruned ones included).
+        images: (B, C, H, W) float as the model takes them, on the model's device.
+        head_mask: (depth, max heads of a block) gates, 1 keeps a head and 0 removes its
+            output exactly (Michel et al. 2019, eq. 1); None keeps every head.
+
+    Returns:
+        :class:`Components`; the logits equal ``model(images)`` to float rounding.
+
+    Raises:
+        ValueError: ``head_mask`` of another shape.
+    """
+    check_head_mask(model, head_mask)
+    x = model.embed(images)
+    c = Components(x, [], [], [], [], [], [], [], torch.empty(0))
+    for layer, block in enumerate(model.blocks):
+        h = block.attn.num_heads
+        gate = None if head_mask is None else head_mask[layer, :h]
+        heads, weights = head_outputs(block, x, gate)
+        mid = x + heads.sum(1) + block.attn.proj.bias  # eq. 2
+        mlp = block.mlp(block.norm2(mid))
+        c.resid_pre.append(x)
+        c.heads.append(heads)
+        c.attn_bias.append(block.attn.proj.bias)
+        c.resid_mid.append(mid)
+        c.mlp.append(mlp)
+        c.weights.append(weights)
+        x = mid + mlp  # eq. 3
+        c.resid_post.append(x)
+    c.logits = model.forward_head(model.norm(x))
+    return c
+
+
+def resume(
+    model: VisionTransformer, resid: torch.Tensor, layer: int, *, after_attention: bool = False
+) -> torch.Tensor:
+    """Logits from a residual stream part-way through the model.
+
+    Args:
+        resid: (B, T, D) the residual stream before block ``layer`` (``z_{layer-1}``), or
+            with ``after_attention`` after its attention branch (``z'_layer``).
+        layer: 0 .. depth; ``depth`` (with ``after_attention`` False) reads ``resid`` as
+            the last block's output.
+
+    Returns:
+        (B, num_classes) logits, as :meth:`VisionTransformer.forward_head` gives them.
+    """
+    x = resid
+    if after_attention:
+        block = model.blocks[layer]
+        x = x + block.mlp(block.norm2(x))
+        layer += 1
+    for block in model.blocks[layer:]:
+        x = block(x)
+    return model.forward_head(model.norm(x))
+
+
+def head_grid(model: VisionTransformer, values: torch.Tensor) -> torch.Tensor:
+    """Per-head values laid out as (depth, max heads), NaN where a block has fewer heads.
+
+    Args:
+        values: (..., total heads) in the order layer 0 head 0, layer 0 head 1, ...
+
+    Returns:
+        (..., depth, max heads) float32.
+    """
+    counts = [b.attn.num_heads for b in model.blocks]
+    grid = torch.full((*values.shape[:-1], len(counts), max(counts)), float("nan"))
+    start = 0
+    for layer, n in enumerate(counts):
+        grid[..., layer, :n] = values[..., start : start + n].float().cpu()
+        start += n
+    return grid
