@@ -151,7 +151,7 @@ def test_callback_logs_every_layer_and_head(make_train_cfg, extra):
             assert images[f"attention_matrix/layer_{layer}/head_{head}"] == epochs
             assert scalars[f"attention_entropy/layer_{layer}/head_{head}"] == epochs
             assert scalars[f"attention_distance/layer_{layer}/head_{head}"] == epochs
-    assert images["rollout"] == epochs
+    assert images["rollout"] == images["attribution"] == epochs
     # The rollout picture's second row is the relevance, computed inside fit; causal: the
     # CLS token sees only itself, and both rows are the same constant 0 map.
     with Image.open(io.BytesIO(rollout_png)) as picture:

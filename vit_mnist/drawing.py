@@ -34,6 +34,15 @@ def colorize(values: torch.Tensor, cmap: str = "inferno") -> torch.Tensor:
     return rearrange(_colormap(cmap)[idx.cpu()], "n h w c -> n c h w")
 
 
+def diverging(values: torch.Tensor, limit: float, cmap: str = "RdBu_r") -> torch.Tensor:
+    """Map (N, H, W) values to (N, 3, H, W) RGB in [0, 1] on one scale shared by all items:
+    ``-limit`` and below full blue, 0 white, ``+limit`` and above full red; NaN grey."""
+    unit = ((values.float() / max(limit, 1e-12)).clamp(-1, 1) + 1) / 2
+    idx = (unit.nan_to_num(0.5) * 255).round().long().cpu()
+    rgb = rearrange(_colormap(cmap)[idx], "n h w c -> n c h w")
+    return torch.where(values.isnan().cpu()[:, None], torch.tensor(0.73), rgb)
+
+
 def overlay(
     images: torch.Tensor, maps: torch.Tensor, alpha: float = 0.6, cmap: str = "inferno"
 ) -> torch.Tensor:

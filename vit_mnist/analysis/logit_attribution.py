@@ -251,3 +251,44 @@ def attribution_figure(
         title=title,
         columns=6,
     )
+
+
+def attribution_grid(
+    model: VisionTransformer,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    class_names: list[str] | None = None,
+    zoom: int = 20,
+) -> torch.Tensor:
+    """A picture of each image's heads: one layers x heads tile per image (rows = layers,
+    columns = heads), the head's direct contribution to the true class's margin over the
+    runner-up, red for, blue against, on one scale for every tile (named in the title).
+
+    Args:
+        images: (N, C, H, W) as the model takes them; labels: (N,) int64 true classes.
+        zoom: screen pixels per cell.
+
+    Returns:
+        (3, height, width) uint8, for TensorBoard's ``add_image`` or a PNG.
+    """
+    from vit_mnist.drawing import diverging, labelled_grid
+
+    attribution = direct_logit_attribution(model, images)
+    _, to_margin, _ = margin_attribution(attribution, labels)
+    grid = attribution.heads(model, to_margin)  # (N, depth, heads)
+    finite = grid[grid.isfinite()].abs()
+    limit = float(finite.max()) if finite.numel() else 1.0
+    name = (lambda k: class_names[k]) if class_names else str
+    predicted = attribution.logits.argmax(1).tolist()
+    columns = [f"{name(int(y))}>{name(p)}" for y, p in zip(labels.tolist(), predicted, strict=True)]
+    return labelled_grid(
+        diverging(grid, limit)[None],
+        row_labels=[""],
+        col_labels=columns,
+        title=(
+            "heads' direct logit attribution to true - runner-up (rows: layers, columns: "
+            f"heads; red +, blue -, full colour {limit:.2f})"
+        ),
+        zoom=zoom,
+    )

@@ -12,6 +12,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
 from vit_mnist.analysis.attention import attention_report
+from vit_mnist.analysis.logit_attribution import attribution_grid
 from vit_mnist.errors import ConfigError
 from vit_mnist.models.vit import VisionTransformer
 
@@ -65,6 +66,9 @@ class AttentionMapLogger(L.Callback):
       (row = query, column = key, token 0 = CLS) of the first panel image.
     - ``rollout``: image; two rows, attention rollout and the class relevance of the
       predicted class (Chefer et al. 2021), overlaid on each panel image.
+    - ``attribution``: image; per panel image, each head's direct logit attribution
+      (Elhage et al. 2021) to the true class's margin over the runner-up, as a layers x
+      heads tile: what the heads write, beside where they look (one more forward pass).
     - ``attention_entropy/layer_L/head_H``: scalar, nats, averaged over query tokens and
       panel images.
     - ``attention_distance/layer_L/head_H``: scalar, mean attention distance in pixels.
@@ -122,14 +126,12 @@ class AttentionMapLogger(L.Callback):
         datamodule = getattr(trainer, "datamodule", None)
         # The relevance maps need gradients: Lightning's fit loop validates under no_grad
         # (trainer.validate under inference mode); the panel may have been stacked in there.
+        class_names = getattr(datamodule, "class_names", None)
         with torch.inference_mode(False):
             report = attention_report(
-                net,
-                images.clone(),
-                labels,
-                class_names=getattr(datamodule, "class_names", None),
-                zoom=self.zoom,
+                net, images.clone(), labels, class_names=class_names, zoom=self.zoom
             )
+            attribution = attribution_grid(net, images.clone(), labels, class_names=class_names)
         for layer, grid in enumerate(report.layer_grids):
             writer.add_image(f"attention/layer_{layer}", grid, step)
             for head, matrix in enumerate(report.matrices[layer]):
@@ -139,6 +141,7 @@ class AttentionMapLogger(L.Callback):
                 writer.add_scalar(f"attention_entropy/{tag}", report.entropy[layer][head], step)
                 writer.add_scalar(f"attention_distance/{tag}", report.distance[layer][head], step)
         writer.add_image("rollout", report.rollout, step)
+        writer.add_image("attribution", attribution, step)
         self._last_logged_step = step
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
