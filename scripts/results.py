@@ -21,6 +21,13 @@ count, the accuracy table and, per layer, the spread of the heads' role figures 
 given Markdown file, between ROLES_START and ROLES_END:
 python scripts/results.py outputs/heads_sweep_p4 outputs/heads_sweep_p7 --analyse-roles \
     --roles-report docs/results.md
+
+--analyse-circuits runs `python eval.py analysis=circuits` on each run's best checkpoint
+(into <run dir>/circuits/, on the whole test set), and --circuits-report writes one line
+per token and head count of what the heads write (vit_mnist.results.circuit_figures)
+between CIRCUITS_START and CIRCUITS_END:
+python scripts/results.py outputs/heads_sweep_p4 outputs/heads_sweep_p7 --analyse-circuits \
+    --circuits-report docs/circuits.md
 """
 
 from __future__ import annotations
@@ -32,9 +39,11 @@ from pathlib import Path
 
 from vit_mnist.io import atomic_write_bytes
 from vit_mnist.results import (
+    CIRCUITS_FILE,
     HEADS_FILE,
     ROLES_FILE,
     Row,
+    circuits_table,
     find_failed,
     find_runs,
     group_rows,
@@ -52,15 +61,18 @@ HEADS_START = "<!-- heads sweep: written by scripts/results.py --heads-report --
 HEADS_END = "<!-- end of the heads sweep -->"
 ROLES_START = "<!-- head roles: written by scripts/results.py --roles-report -->"
 ROLES_END = "<!-- end of the head roles -->"
+CIRCUITS_START = "<!-- circuits: written by scripts/results.py --circuits-report -->"
+CIRCUITS_END = "<!-- end of the circuits -->"
+ANALYSIS_FILES = {"heads": HEADS_FILE, "roles": ROLES_FILE, "circuits": CIRCUITS_FILE}
 
 
 def analyse_heads(runs, test_fraction: float, analysis: str = "heads") -> None:
-    """``eval.py analysis=heads`` (or ``roles``) on every run's best checkpoint that has no
-    such analysis yet, on the first ``test_fraction`` of the test set (each head is zeroed
-    in turn, and each time the test images are run again: 96 times for 16 heads in 6
-    blocks)."""
+    """``eval.py analysis=heads`` (or ``roles``, ``circuits``) on every run's best checkpoint
+    that has no such analysis yet, on the first ``test_fraction`` of the test set (heads
+    and roles zero each head in turn, and each time the test images are run again: 96
+    times for 16 heads in 6 blocks)."""
     for run in runs:
-        if (run.path / (HEADS_FILE if analysis == "heads" else ROLES_FILE)).is_file():
+        if (run.path / ANALYSIS_FILES[analysis]).is_file():
             continue
         # By name inside the run dir: the absolute path in metrics.json is stale once a
         # run dir has been moved or copied.
@@ -130,6 +142,13 @@ def write_roles_report(rows, report: Path) -> None:
     replace_section(report, "\n".join(parts), ROLES_START, ROLES_END)
 
 
+def write_circuits_report(rows, report: Path) -> None:
+    """Put the circuits table (:func:`vit_mnist.results.circuits_table`) into ``report``
+    between the circuits markers (appended once)."""
+    section = "\n".join([CIRCUITS_START, "", circuits_table(rows).rstrip(), "", CIRCUITS_END])
+    replace_section(report, section, CIRCUITS_START, CIRCUITS_END)
+
+
 def replace_section(report: Path, section: str, start: str, end: str) -> None:
     """``section`` in place of the text between ``start`` and ``end`` in ``report``, or
     appended when the markers are not there."""
@@ -163,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         "--analyse-roles", action="store_true", help="run eval.py analysis=roles on each run"
     )
     parser.add_argument("--roles-report", type=Path, help="Markdown file for the roles tables")
+    parser.add_argument(
+        "--analyse-circuits",
+        action="store_true",
+        help="run eval.py analysis=circuits on each run (the whole test set)",
+    )
+    parser.add_argument("--circuits-report", type=Path, help="Markdown file for the circuits table")
     args = parser.parse_args(argv)
     try:
         runs = find_runs(args.run_dirs)
@@ -196,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.roles_report:
         write_roles_report(rows, args.roles_report)
         print(f"wrote the head roles into {args.roles_report}", file=sys.stderr)
+    if args.analyse_circuits:
+        analyse_heads(runs, 1.0, analysis="circuits")
+    if args.circuits_report:
+        write_circuits_report(rows, args.circuits_report)
+        print(f"wrote the circuits into {args.circuits_report}", file=sys.stderr)
     return 0
 
 

@@ -271,6 +271,9 @@ def heads_plot(rows: Sequence[Row], out: Path, title: str) -> Path:
 
 HEADS_FILE = "heads/head_importance.csv"  # eval.py analysis=heads, run in <run dir>/heads
 ROLES_FILE = "roles/roles.csv"  # eval.py analysis=roles, run in <run dir>/roles
+CIRCUITS_FILE = "circuits/circuits_heads.csv"  # eval.py analysis=circuits, in <run dir>/circuits
+CIRCUITS_PATCHING_FILE = "circuits/circuits_patching.csv"
+TEXT_COLUMNS = ("most_hurt_class", "component", "top_class")  # the rest are numbers
 
 
 def _percentiles(values: Sequence[float]) -> str:
@@ -282,14 +285,14 @@ def _percentiles(values: Sequence[float]) -> str:
 
 def _head_rows(run: Run, name: str) -> list[dict[str, Any]]:
     """The rows of the per-head CSV ``name`` in ``run``'s dir, numbers as floats and
-    ``most_hurt_class`` as text (empty cells left out); empty when the file is not there."""
+    :data:`TEXT_COLUMNS` as text (empty cells left out); empty when the file is not there."""
     path = run.path / name
     if not path.is_file():
         return []
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
     return [
-        {k: v if k == "most_hurt_class" else float(v) for k, v in r.items() if v not in ("", None)}
+        {k: v if k in TEXT_COLUMNS else float(v) for k, v in r.items() if v not in ("", None)}
         for r in rows
     ]
 
@@ -451,6 +454,180 @@ def roles_table(rows: Sequence[Row]) -> str:
                 spread([[100 * h["acc_drop"] for h in hs] for hs in layers]),
             ]
             lines.append(cells)
+    return _markdown(header, lines)
+
+
+def _spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rank correlation (torchmetrics'); NaN for fewer than 3 points."""
+    import torch
+    from torchmetrics.functional.regression import spearman_corrcoef
+
+    if len(x) < 3:
+        return float("nan")
+    return float(spearman_corrcoef(torch.tensor(x).double(), torch.tensor(y).double()))
+
+
+def circuit_figures(run: Run) -> dict[str, float] | None:
+    """What the heads of one run write (``eval.py analysis=circuits`` in ``<run>/circuits/``,
+    :mod:`vit_mnist.analysis.logit_attribution` and :mod:`~vit_mnist.analysis.patching`),
+    in a few numbers; None when the analysis has not been run.
+
+    - ``heads_share``: the heads' summed direct contribution to the margin (true minus
+      runner-up) over all components' (embedding, heads, MLPs, biases): how much of the
+      decision the heads write directly.
+    - ``top_head_share``: the largest single head's share of the heads' positive
+      contributions.
+    - ``specificity``: per head, the largest share of its positive per-class contributions
+      that goes to one class (0.1 = spread over 10 classes alike, 1 = one class only).
+    - ``class_top_share``: per class, the share of the heads' positive contributions to
+      that class written by its top head.
+    - ``patch_best`` / ``noise_best``: per patched pair, the largest share of the logit
+      difference that one head restores (denoising) / destroys (noising).
+    - ``rho_entropy``, ``rho_distance``, ``rho_drop``: Spearman's rank correlation over the
+      heads between their contribution to the margin and their attention entropy, their
+      mean attention distance, and (where ``analysis=roles`` ran) the accuracy lost when
+      they are zeroed.
+    - ``end_specificity`` / ``other_specificity``: the mean specificity of the stroke-end
+      heads (``analysis=roles``: an end lift at least twice the ink lift) and of the rest.
+    """
+    components = _head_rows(run, CIRCUITS_FILE)
+    if not components:
+        return None
+    heads = [c for c in components if "head" in c]
+    classes = [k[len("to_margin_") :] for k in components[0] if k.startswith("to_margin_")]
+
+    def positive(row: dict[str, Any], k: str) -> float:
+        return max(0.0, row.get(f"to_margin_{k}", 0.0))
+
+    specificity = []
+    for h in heads:
+        values = [positive(h, k) for k in classes]
+        specificity.append(max(values) / sum(values) if sum(values) > 0 else float("nan"))
+    class_top = []
+    for k in classes:
+        values = [positive(h, k) for h in heads]
+        class_top.append(max(values) / sum(values) if sum(values) > 0 else float("nan"))
+    head_margin = [max(0.0, h["to_margin"]) for h in heads]
+    figures = {
+        "heads_share": sum(h["to_margin"] for h in heads) / sum(c["to_margin"] for c in components),
+        "top_head_share": max(head_margin) / sum(head_margin) if sum(head_margin) else 0.0,
+        "specificity": statistics.median(specificity),
+        "specificity_max": max(specificity),
+        "class_top_share": statistics.median(class_top),
+        "class_top_share_max": max(class_top),
+        "rho_entropy": _spearman(
+            [h["to_margin"] for h in heads], [h["entropy_nats"] for h in heads]
+        ),
+        "rho_distance": _spearman(
+            [h["to_margin"] for h in heads], [h["mean_distance_px"] for h in heads]
+        ),
+    }
+    path = run.path / CIRCUITS_PATCHING_FILE
+    if path.is_file():
+        with path.open(newline="") as f:
+            patched = [r for r in csv.DictReader(f) if r["kind"] == "heads"]
+        for direction, key in (("denoising", "patch_best"), ("noising", "noise_best")):
+            best: dict[tuple[str, str], float] = {}
+            for r in patched:
+                if r["direction"] == direction:
+                    pair = (r["clean"], r["corrupted"])
+                    best[pair] = max(best.get(pair, float("-inf")), float(r["score"]))
+            if best:
+                figures[key] = statistics.median(best.values())
+                figures[f"{key}_max"] = max(best.values())
+    roles = {(int(r["layer"]), int(r["head"])): r for r in roles_of(run)}
+    if roles:
+        matched = [(h, roles.get((int(h["layer"]), int(h["head"])))) for h in heads]
+        matched = [(h, r) for h, r in matched if r is not None]
+        figures["rho_drop"] = _spearman(
+            [h["to_margin"] for h, _ in matched], [r["acc_drop"] for _, r in matched]
+        )
+        spec = dict(
+            zip([(int(h["layer"]), int(h["head"])) for h in heads], specificity, strict=True)
+        )
+        ends = [
+            spec[(int(h["layer"]), int(h["head"]))]
+            for h, r in matched
+            if _lift(r, "end") >= 2 * max(_lift(r, "ink"), 1e-9)
+        ]
+        others = [
+            spec[(int(h["layer"]), int(h["head"]))]
+            for h, r in matched
+            if _lift(r, "end") < 2 * max(_lift(r, "ink"), 1e-9)
+        ]
+        figures["end_heads"] = len(ends)
+        if ends:
+            figures["end_specificity"] = statistics.fmean(ends)
+        if others:
+            figures["other_specificity"] = statistics.fmean(others)
+    return figures
+
+
+class _Number(float):
+    """A float printed as ``-`` when missing (None), in any format."""
+
+    def __new__(cls, value: float | None):
+        number = super().__new__(cls, float("nan") if value is None else value)
+        number.missing = value is None
+        return number
+
+    def __format__(self, spec: str) -> str:
+        return "-" if self.missing else super().__format__(spec)
+
+
+def circuits_table(rows: Sequence[Row]) -> str:
+    """One line per token count and head count: :func:`circuit_figures`, the mean over the
+    row's runs that have ``analysis=circuits`` (rows without any are left out)."""
+    header = [
+        "tokens",
+        "heads",
+        "runs",
+        "test acc %",
+        "heads' share of the direct margin",
+        "top head's share",
+        "class specificity of a head: median (max)",
+        "top head's share of a class: median (max)",
+        "best head, patching: restored / destroyed, median (max) over pairs",
+        "rank corr. of contribution with entropy / distance / acc drop",
+        "stroke-end heads: n, specificity (others)",
+    ]
+
+    def order(row: Row) -> tuple[int, int]:
+        return patch_tokens(row), int(row.first["model"]["num_heads"])
+
+    def mean(found: list[dict[str, float]], key: str) -> Any:
+        values = [f[key] for f in found if key in f and f[key] == f[key]]
+        return _Number(statistics.fmean(values)) if values else _Number(None)
+
+    lines = []
+    for row in sorted(rows, key=order):
+        found = [f for f in map(circuit_figures, row.runs) if f]
+        if not found:
+            continue
+        acc = statistics.fmean(100 * float(r.metrics["test/acc"]) for r in row.runs)
+        ends = sum(f.get("end_heads", 0) for f in found)
+        lines.append(
+            [
+                str(patch_tokens(row)),
+                str(row.first["model"]["num_heads"]),
+                str(len(found)),
+                f"{acc:.2f}",
+                f"{mean(found, 'heads_share'):.2f}",
+                f"{mean(found, 'top_head_share'):.2f}",
+                f"{mean(found, 'specificity'):.2f} ({mean(found, 'specificity_max'):.2f})",
+                f"{mean(found, 'class_top_share'):.2f} ({mean(found, 'class_top_share_max'):.2f})",
+                f"{mean(found, 'patch_best'):.2f} / {mean(found, 'noise_best'):.2f} "
+                f"({mean(found, 'patch_best_max'):.2f} / {mean(found, 'noise_best_max'):.2f})",
+                f"{mean(found, 'rho_entropy'):+.2f} / {mean(found, 'rho_distance'):+.2f} / "
+                f"{mean(found, 'rho_drop'):+.2f}",
+                (
+                    f"{ends}, {mean(found, 'end_specificity'):.2f} "
+                    f"({mean(found, 'other_specificity'):.2f})"
+                )
+                if ends
+                else "0",
+            ]
+        )
     return _markdown(header, lines)
 
 
