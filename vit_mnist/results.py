@@ -563,18 +563,6 @@ def circuit_figures(run: Run) -> dict[str, float] | None:
     return figures
 
 
-class _Number(float):
-    """A float printed as ``-`` when missing (None), in any format."""
-
-    def __new__(cls, value: float | None):
-        number = super().__new__(cls, float("nan") if value is None else value)
-        number.missing = value is None
-        return number
-
-    def __format__(self, spec: str) -> str:
-        return "-" if self.missing else super().__format__(spec)
-
-
 def circuits_table(rows: Sequence[Row]) -> str:
     """One line per token count and head count: :func:`circuit_figures`, the mean over the
     row's runs that have ``analysis=circuits`` (rows without any are left out)."""
@@ -595,9 +583,9 @@ def circuits_table(rows: Sequence[Row]) -> str:
     def order(row: Row) -> tuple[int, int]:
         return patch_tokens(row), int(row.first["model"]["num_heads"])
 
-    def mean(found: list[dict[str, float]], key: str) -> Any:
-        values = [f[key] for f in found if key in f and f[key] == f[key]]
-        return _Number(statistics.fmean(values)) if values else _Number(None)
+    def mean(found: list[dict[str, float]], key: str, spec: str = ".2f") -> str:
+        values = [f[key] for f in found if key in f and f[key] == f[key]]  # not NaN
+        return format(statistics.fmean(values), spec) if values else "-"
 
     lines = []
     for row in sorted(rows, key=order):
@@ -612,18 +600,15 @@ def circuits_table(rows: Sequence[Row]) -> str:
                 str(row.first["model"]["num_heads"]),
                 str(len(found)),
                 f"{acc:.2f}",
-                f"{mean(found, 'heads_share'):.2f}",
-                f"{mean(found, 'top_head_share'):.2f}",
-                f"{mean(found, 'specificity'):.2f} ({mean(found, 'specificity_max'):.2f})",
-                f"{mean(found, 'class_top_share'):.2f} ({mean(found, 'class_top_share_max'):.2f})",
-                f"{mean(found, 'patch_best'):.2f} / {mean(found, 'noise_best'):.2f} "
-                f"({mean(found, 'patch_best_max'):.2f} / {mean(found, 'noise_best_max'):.2f})",
-                f"{mean(found, 'rho_entropy'):+.2f} / {mean(found, 'rho_distance'):+.2f} / "
-                f"{mean(found, 'rho_drop'):+.2f}",
-                (
-                    f"{ends}, {mean(found, 'end_specificity'):.2f} "
-                    f"({mean(found, 'other_specificity'):.2f})"
-                )
+                mean(found, "heads_share"),
+                mean(found, "top_head_share"),
+                f"{mean(found, 'specificity')} ({mean(found, 'specificity_max')})",
+                f"{mean(found, 'class_top_share')} ({mean(found, 'class_top_share_max')})",
+                f"{mean(found, 'patch_best')} / {mean(found, 'noise_best')} "
+                f"({mean(found, 'patch_best_max')} / {mean(found, 'noise_best_max')})",
+                f"{mean(found, 'rho_entropy', '+.2f')} / {mean(found, 'rho_distance', '+.2f')} / "
+                f"{mean(found, 'rho_drop', '+.2f')}",
+                (f"{ends}, {mean(found, 'end_specificity')} ({mean(found, 'other_specificity')})")
                 if ends
                 else "0",
             ]
