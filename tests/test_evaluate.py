@@ -92,6 +92,18 @@ def test_eval_writes_every_report(synthetic_ckpt, tmp_path):
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def test_a_checkpoint_of_an_earlier_version_evaluates_as_before(synthetic_ckpt, tmp_path):
+    # Earlier versions stored no model.stem / stem_channels: the textbook patch embedding.
+    ckpt, train_metrics = synthetic_ckpt
+    stored = torch.load(ckpt, map_location="cpu", weights_only=True)
+    model = stored["hyper_parameters"]["model"]
+    assert model.pop("stem") == "patch" and model.pop("stem_channels")
+    old = tmp_path / "old.ckpt"
+    torch.save(stored, old)
+    metrics = evaluate(compose_config("eval", [f"ckpt_path={old}", "trainer=cpu"], tmp_path))
+    assert metrics["test/acc"] == train_metrics["test/acc"]
+
+
 def test_gpu_float16_checkpoint_evaluates_on_cpu(synthetic_ckpt, tmp_path):
     ckpt, train_metrics = synthetic_ckpt
     saved = torch.load(ckpt, weights_only=True)

@@ -167,6 +167,8 @@ class ModelSettings:
     qkv_bias: bool = _setting()
     drop_path_rate: float = _rate("model.drop_path_rate")
     distillation: bool = _setting()
+    stem: str = _setting(choices=["patch", "conv"], example="model.stem=conv")
+    stem_channels: list[int] = _setting(ge=1, each=True, example="model.stem_channels=[32,64]")
 
 
 @dataclass

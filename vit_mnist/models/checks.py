@@ -32,6 +32,8 @@ def check_vit_args(
     qkv_bias: bool,
     drop_path_rate: float,
     distillation: bool,
+    stem: str,
+    stem_channels: Sequence[int],
 ) -> None:
     """Check :class:`VisionTransformer` arguments without building anything: every one, by
     name (the defaults are the constructor's alone).

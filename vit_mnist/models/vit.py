@@ -23,6 +23,7 @@ from torchvision.ops import StochasticDepth
 
 from vit_mnist.models.attention import MultiHeadSelfAttention
 from vit_mnist.models.checks import check_vit_args
+from vit_mnist.models.stem import ConvStem
 
 
 class PatchEmbedding(nn.Module):
@@ -161,6 +162,9 @@ class VisionTransformer(nn.Module):
         distillation: add DeiT's distillation token (token 1) and its head ``head_dist``;
             the prediction is then the two heads' softmax averaged (DeiT section 4), see
             :meth:`forward_head`. False builds the textbook model, parameter for parameter.
+        stem: ``"patch"``, the textbook patch embedding, or ``"conv"``, the hybrid's
+            convolutional stem (:class:`~vit_mnist.models.stem.ConvStem`, ``stem_channels``
+            wide) onto the same token grid.
 
     Shapes: images (batch, in_chans, img_size, img_size) float -> logits (batch, num_classes).
     Tokens: the CLS token (and with ``distillation`` the distillation token), then
@@ -189,6 +193,8 @@ class VisionTransformer(nn.Module):
         qkv_bias: bool = True,
         drop_path_rate: float = 0.0,
         distillation: bool = False,
+        stem: str = "patch",
+        stem_channels: tuple[int, ...] | list[int] = (32, 64),
     ) -> None:
         super().__init__()
         arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -197,8 +203,11 @@ class VisionTransformer(nn.Module):
         self.num_heads = num_heads
         self.depth = depth
         heads = [num_heads] * depth if isinstance(num_heads, int) else list(num_heads)
-        self.patch_embed = PatchEmbedding(
-            img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim
+        pixels = {"img_size": img_size, "patch_size": patch_size, "in_chans": in_chans}
+        self.patch_embed = (
+            PatchEmbedding(**pixels, embed_dim=embed_dim)
+            if stem == "patch"
+            else ConvStem(**pixels, embed_dim=embed_dim, channels=stem_channels)
         )
         self.num_prefix_tokens = 2 if distillation else 1
         self.num_tokens = self.patch_embed.num_patches + self.num_prefix_tokens

@@ -1,0 +1,77 @@
+"""The hybrid's convolutional stem (model.stem=conv) beside the textbook patch embedding."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from tests.conftest import TINY_MODEL, compose_config
+from vit_mnist.analysis import attention_report, class_relevance, heads_switched_off
+from vit_mnist.analysis.logit_attribution import direct_logit_attribution
+from vit_mnist.analysis.roles import head_roles
+from vit_mnist.evaluate import evaluate
+from vit_mnist.export import export
+from vit_mnist.models import VisionTransformer
+from vit_mnist.train import train
+
+
+def test_the_textbook_model_is_unchanged_by_the_stem_option():
+    # Parameter names and shapes, and the outputs of a seeded model, as before model.stem.
+    torch.manual_seed(0)
+    model = VisionTransformer(patch_size=7).eval()
+    names = ";".join(f"{n}:{tuple(p.shape)}" for n, p in model.state_dict().items())
+    assert hashlib.sha256(names.encode()).hexdigest()[:16] == "425456325a8d9a89"
+    x = torch.linspace(-1, 1, 2 * 28 * 28).view(2, 1, 28, 28)
+    with torch.no_grad():
+        logits = model(x)
+    expected = [0.09089546650648117, -0.07524328678846359, 0.07937172055244446]
+    torch.testing.assert_close(logits[0, :3], torch.tensor(expected), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(("patch", "field", "tokens"), [(4, 7, 50), (7, 11, 17), (14, 19, 5)])
+def test_a_conv_stem_makes_the_same_token_grid_with_a_wider_view(patch, field, tokens):
+    # Receptive field: each stride-2 3x3 convolution adds 2 jumps; the last projection adds
+    # (kernel - 1) jumps: patch 4 -> 3 + 4 = 7 px; patch 7 (no stride 2) -> 5 + 6 = 11 px.
+    model = VisionTransformer(patch_size=patch, stem="conv", stem_channels=[8, 16])
+    assert model.patch_embed.receptive_field == field
+    assert model.num_tokens == tokens and model.patch_embed.grid_size == 28 // patch
+    assert model(torch.randn(3, 1, 28, 28)).shape == (3, 10)
+
+
+def test_every_analysis_runs_on_a_conv_stem():
+    torch.manual_seed(0)
+    model = VisionTransformer(
+        embed_dim=16, depth=2, num_heads=2, patch_size=4, stem="conv", stem_channels=[8, 16]
+    ).eval()
+    x = torch.randn(4, 1, 28, 28)
+    report = attention_report(model, x, torch.arange(4))
+    assert report.weights[0].shape == (4, 2, 50, 50) and report.relevance.shape == (4, 7, 7)
+    relevance, _ = class_relevance(model, x, 3)
+    assert relevance.shape == (4, 7, 7) and (relevance >= 0).all()
+    with torch.no_grad():
+        full = model(x)
+        with heads_switched_off(model, [(1, 0)]):
+            assert not torch.allclose(model(x), full)
+    attribution = direct_logit_attribution(model, x)
+    torch.testing.assert_close(attribution.contributions.sum(1), full, atol=1e-4, rtol=0)
+    rows = head_roles(model, x, x.sigmoid())
+    assert len(rows) == 4
+
+
+def test_a_conv_stem_trains_evaluates_and_exports(tmp_path):
+    pytest.importorskip("onnxruntime")
+    overrides = ["data=synthetic", "trainer=cpu", "trainer.max_epochs=1", *TINY_MODEL]
+    overrides += ["model.stem=conv", "model.stem_channels=[8,16]", "model.patch_size=4"]
+    overrides += ["speed.path=reference", "trainer.precision=32-true"]
+    metrics = train(compose_config("train", overrides, tmp_path / "train"))
+    ckpt = metrics["best_ckpt"]
+    evaluated = evaluate(compose_config("eval", [f"ckpt_path={ckpt}", "trainer=cpu"], tmp_path))
+    assert evaluated["test/acc"] == metrics["test/acc"]
+    exported = export(
+        compose_config(
+            "export", [f"ckpt_path={ckpt}", "format=onnx", "check_images=50"], tmp_path / "x"
+        )
+    )
+    assert exported["max_abs_diff"] < 1e-4 and exported["classes_agree"] == 50

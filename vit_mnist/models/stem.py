@@ -1,0 +1,66 @@
+"""A convolutional stem in place of the patch embedding: the ViT paper's hybrid model.
+
+Dosovitskiy et al. 2021, section 3.1 ("Hybrid Architecture"): the patch embedding E is
+applied to a CNN's feature map instead of the raw pixels. Xiao et al. 2021 ("Early
+Convolutions Help Transformers See Better") build that CNN for small models as a few 3x3
+convolutions with BatchNorm and ReLU, stride 2, ending in a 1x1 convolution to the width
+D; Hassani et al. 2021 (Compact Transformers) show it helps most on small datasets. The
+token grid, the CLS token, the encoder and every analysis stay those of the textbook model.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+from torch import nn
+
+
+class ConvStem(nn.Module):
+    """3x3 convolutions (BatchNorm, ReLU), stride 2 while the patch size is even, then a
+    projection to ``embed_dim`` with kernel = stride = what is left of the patch (1x1 when
+    the strides made the whole patch): the same ``(img_size // patch_size) ** 2`` tokens as
+    :class:`~vit_mnist.models.vit.PatchEmbedding`, each seeing ``receptive_field`` pixels
+    (overlapping neighbours) instead of its own patch.
+
+    Args:
+        img_size, patch_size, in_chans, embed_dim: as for the patch embedding.
+        channels: output channels of each 3x3 convolution.
+
+    Shapes: (batch, in_chans, img_size, img_size) float -> (batch, num_patches, embed_dim).
+    """
+
+    def __init__(
+        self,
+        *,
+        img_size: int,
+        patch_size: int,
+        in_chans: int,
+        embed_dim: int,
+        channels: tuple[int, ...] | list[int] = (32, 64),
+    ) -> None:
+        super().__init__()
+        self.img_size = img_size
+        self.patch_size = patch_size
+        self.grid_size = img_size // patch_size
+        self.num_patches = self.grid_size**2
+        layers: list[nn.Module] = []
+        left, width, field, jump = patch_size, in_chans, 1, 1  # field, jump: pixels
+        for out in channels:
+            stride = 2 if left % 2 == 0 else 1
+            layers += [
+                nn.Conv2d(width, out, 3, stride=stride, padding=1, bias=False),
+                nn.BatchNorm2d(out),
+                nn.ReLU(inplace=True),
+            ]
+            field, jump, left, width = field + 2 * jump, jump * stride, left // stride, out
+        self.convs = nn.Sequential(*layers)
+        self.proj = nn.Conv2d(width, embed_dim, kernel_size=left, stride=left)
+        self.receptive_field = field + (left - 1) * jump
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-2:] != (self.img_size, self.img_size):
+            raise ValueError(
+                f"image of size {tuple(x.shape[-2:])} given to a model built for "
+                f"img_size={self.img_size}; resize the images or rebuild the model"
+            )
+        return rearrange(self.proj(self.convs(x)), "b d gh gw -> b (gh gw) d")
