@@ -46,8 +46,11 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
       ``+``/``++`` form. Hydra prints them itself, over several lines, unless
       ``HYDRA_FULL_ERROR`` is set; it is set here so they reach this wrapper (a user who set
       it gets Hydra's full report as before).
-    - Exit status 1 after a multirun in which a job stopped on a user error (each such job
-      wrote ``failed.json`` and the others ran: :func:`vit_mnist.errors.exit_on_user_error`).
+    - Exit status 1 after a multirun in which a job failed (each such job wrote
+      ``failed.json`` and the others ran: :func:`vit_mnist.errors.exit_on_user_error`,
+      :class:`vit_mnist.errors.SweepFailures`), whichever launcher ran the jobs.
+    - A user error raised by the sweeper itself (an Optuna study's ``optimized_metric``) is
+      one line and exit status 2, as in a single run.
     - A stop by Ctrl-C or SIGTERM (130, 143) exits at once: see :func:`_exit_at_once`.
     """
 
@@ -56,6 +59,7 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
         user_setting = os.environ.get("HYDRA_FULL_ERROR")
         user_wants_full_errors = bool(user_setting)
         os.environ["HYDRA_FULL_ERROR"] = "1"
+        _register_plugins()
         try:
             result = main()
         except SystemExit as e:
@@ -63,8 +67,12 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
                 _exit_at_once(e.code)
             raise
         except Exception as e:
+            from vit_mnist.errors import USER_ERRORS
+
             line = None
-            if not user_wants_full_errors and not _STARTED:
+            if isinstance(e, USER_ERRORS):  # the sweeper's own check (hparams_search=...)
+                line = str(e)
+            elif not user_wants_full_errors and not _STARTED:
                 line = _hydra_error_line(e, main.__name__, sys.argv[1:])
             if line is None:
                 raise
@@ -87,6 +95,17 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
         return result
 
     return wrapper
+
+
+def _register_plugins() -> None:
+    """Register this project's Hydra plugin, the Optuna study's sweeper
+    (hydra_plugins/vit_mnist_study), by name: Hydra finds plugins by listing the
+    ``hydra_plugins`` package, which an editable install (``pip install -e``) does not list."""
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.vit_mnist_study import StudySweeper
+
+    Plugins.instance().register(StudySweeper)
 
 
 # The exit statuses of a stop by Ctrl-C or SIGTERM: 128 + the signal's number.
@@ -302,7 +321,7 @@ def prepare_ddp_launch(trainer_cfg: DictConfig) -> None:
 
 @_command_line
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="train")
-def train(cfg: DictConfig) -> dict[str, Any] | float:
+def train(cfg: DictConfig) -> dict[str, Any] | float | None:
     """``vit-mnist-train [overrides]`` = ``python train.py [overrides]``. Returns the run's
     metrics, or with ``optimized_metric`` set (a hyper-parameter search) that one value."""
     task = _start("train", cfg)
@@ -311,9 +330,9 @@ def train(cfg: DictConfig) -> dict[str, Any] | float:
     name = cfg.get("optimized_metric")
     if not name:
         return metrics
-    # The one number a sweeper optimises (configs/hparams_search/). A job stopped by a user
-    # error returns None (the sweep goes on): NaN, which Optuna records as a failed trial.
-    return float("nan") if metrics is None else float(metrics[name])
+    # The one number a sweeper optimises (configs/hparams_search/); None from a job stopped
+    # by a user error (the sweep goes on), which the study records as a failed trial.
+    return None if metrics is None else float(metrics[name])
 
 
 @_command_line
