@@ -129,8 +129,9 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         run info (data config, precision, seed) that ``train`` stored.
 
     Raises:
-        CheckpointError: the file is missing, unreadable or truncated, or is not a
-            checkpoint written by vit_mnist; the message names the path.
+        CheckpointError: the file is missing, unreadable or truncated, is not a checkpoint
+            written by vit_mnist, or holds weights that are NaN or infinite (damaged); the
+            message names the path.
     """
     path = Path(path)
     if path.is_dir():
@@ -173,6 +174,17 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path} is not a vit_mnist checkpoint (no model arguments stored in it)"
         )
+    # Training stops on a non-finite loss before it saves (NonFiniteLossError), so NaN or
+    # infinite weights are damage: evaluated, they gave chance accuracy and a NaN loss.
+    for name, tensor in ckpt["state_dict"].items():
+        if torch.is_tensor(tensor) and tensor.is_floating_point():
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                raise CheckpointError(
+                    f"checkpoint {path} is damaged: {name} holds {bad} NaN or infinite "
+                    f"value(s) of {tensor.numel()}; use another checkpoint of the run, e.g. "
+                    "its last.ckpt or best-*.ckpt"
+                )
     return ckpt
 
 
