@@ -4,6 +4,7 @@ trained on, writing them atomically, and saving one on interrupt."""
 from __future__ import annotations
 
 import io
+import json
 import logging
 import shlex
 import sys
@@ -19,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from vit_mnist.errors import CheckpointError, ConfigError, WriteError
 from vit_mnist.io import atomic_write_bytes
 from vit_mnist.module import RUN_INFO_KEY
-from vit_mnist.settings import EvalSettings, check_settings
+from vit_mnist.settings import EvalSettings, check_settings, import_target
 
 log = logging.getLogger(__name__)
 
@@ -188,13 +189,32 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     return ckpt
 
 
-def check_teacher(teacher_ckpt: str | None, model: dict[str, Any]) -> None:
+def _dataset_name(target: str | None) -> str | None:
+    """The ``name`` of the data module a ``_target_`` names (``mnist``), or the target."""
+    if not target:
+        return None
+    try:
+        return getattr(import_target(target), "name", target)
+    except ImportError:
+        return target
+
+
+def check_teacher(
+    teacher_ckpt: str | None, model: dict[str, Any], data_target: str | None = None
+) -> dict[str, Any] | None:
     """A distillation run's teacher (``module.teacher_ckpt``) against its student's
-    arguments ``model``: both or neither set, the file a checkpoint of this project, and the
-    teacher classifying the same images into as many classes.
+    arguments ``model`` and data module ``data_target``: both or neither set, the file a
+    checkpoint of this project, and the teacher trained on the same dataset (as its stored
+    data config says) and classifying the same images into as many classes.
+
+    Returns:
+        None without a teacher; else its record for the student's ``metrics.json`` and
+        checkpoints: ``ckpt`` (the path), ``dataset``, ``val_acc_best`` (a fraction, from
+        the teacher's checkpoint) and ``test_acc`` (from the ``metrics.json`` of the run
+        that wrote it, None where that is not beside it).
 
     Raises:
-        ConfigError: one setting without the other, or a teacher of another shape.
+        ConfigError: one setting without the other, or a teacher of another dataset or shape.
         CheckpointError: see :func:`read_checkpoint`.
     """
     if bool(model.get("distillation")) != bool(teacher_ckpt):
@@ -208,15 +228,35 @@ def check_teacher(teacher_ckpt: str | None, model: dict[str, Any]) -> None:
             "written by train.py, e.g. outputs/train/runs/<run>/checkpoints/best-....ckpt)"
         )
     if not teacher_ckpt:
-        return
-    teacher = read_checkpoint(teacher_ckpt)["hyper_parameters"]["model"]
+        return None
+    ckpt = read_checkpoint(teacher_ckpt)
+    teacher = ckpt["hyper_parameters"]["model"]
+    theirs = _dataset_name(ckpt.get(RUN_INFO_KEY, {}).get("data", {}).get("_target_"))
+    ours = _dataset_name(data_target)
+    if theirs and ours and theirs != ours:
+        # Same shapes (Fashion-MNIST and MNIST), other classes: its labels would be noise.
+        raise ConfigError(
+            f"module.teacher_ckpt={teacher_ckpt} was trained on {theirs}, this run trains on "
+            f"{ours}: give a teacher trained on {ours} (experiment=cnn_teacher data={ours})"
+        )
     for key, default in (("num_classes", 10), ("img_size", 28), ("in_chans", 1)):
-        theirs, ours = teacher.get(key, default), model.get(key, default)
-        if theirs != ours:
+        theirs_value, ours_value = teacher.get(key, default), model.get(key, default)
+        if theirs_value != ours_value:
             raise ConfigError(
-                f"module.teacher_ckpt={teacher_ckpt} has {key}={theirs}, this model "
-                f"model.{key}={ours}: give a teacher trained on the same data"
+                f"module.teacher_ckpt={teacher_ckpt} has {key}={theirs_value}, this model "
+                f"model.{key}={ours_value}: give a teacher trained on the same data"
             )
+    try:
+        run_metrics = json.loads((Path(teacher_ckpt).parent.parent / "metrics.json").read_text())
+        test_acc = float(run_metrics["test/acc"])
+    except (OSError, ValueError, KeyError, TypeError):
+        test_acc = None
+    return {
+        "ckpt": str(teacher_ckpt),
+        "dataset": theirs,
+        "val_acc_best": ckpt.get("val_acc_best"),
+        "test_acc": test_acc,
+    }
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> Path:

@@ -126,7 +126,7 @@ def check_config(cfg: DictConfig) -> None:
             "use data=mnist, data=fashion_mnist or data=synthetic"
         )
     _check_model_fits_data(model, datamodule_cls)
-    check_teacher(cfg.module.get("teacher_ckpt"), model)
+    check_teacher(cfg.module.get("teacher_ckpt"), model, data._target_)
     if data.get("data_dir") is not None:
         _check_data_dir(str(data.data_dir), getattr(datamodule_cls, "folder", "MNIST"))
     _check_device(cfg.trainer)
@@ -173,6 +173,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """
     init = model_to_start_from(cfg)
     check_config(cfg)
+    # What the student learnt from, for metrics.json and its checkpoints (checked above).
+    teacher = check_teacher(cfg.module.get("teacher_ckpt"), _resolved(cfg.model), cfg.data._target_)
     ckpt_path, start_step = resume_checkpoint(cfg)
     L.seed_everything(cfg.seed, workers=True)
 
@@ -189,6 +191,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         module.net.load_state_dict(init)
     choice = prepare_speed(module, cfg, datamodule)
     module.run_info = {"data": _resolved(cfg.data), "precision": choice.precision, "seed": cfg.seed}
+    if teacher is not None:
+        module.run_info["teacher"] = teacher
 
     # `callbacks.NAME=null` on the command line switches one off (configs/callbacks/).
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
@@ -227,6 +231,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         **_run_metrics(cfg, trainer, datamodule, choice),
         "best_ckpt": best_ckpt or None,
         "resumed_from": str(ckpt_path) if ckpt_path else None,
+        "teacher": teacher,
     }
     if not trainer.is_global_zero:
         # Under DDP every process has the same all-reduced metrics; one writes the file.
