@@ -410,12 +410,41 @@ def _keep_what_resumes(cfg: DictConfig, ckpt: dict[str, Any], path: Path) -> Non
         )
 
 
+# Model arguments that a run started from a checkpoint's weights can take over them: they
+# change neither the parameters' shapes nor what the weights mean (regularisation, and the
+# attention's implementation).
+_OVER_WEIGHTS = frozenset({"dropout", "attn_dropout", "drop_path_rate"}) | _NOT_MODEL_IDENTITY
+
+
+def _model_keys_given() -> set[str]:
+    """The ``model.*`` keys the command line sets (``model.depth=3``, ``+model.x=1``), and
+    ``arch`` for a ``model=NAME``; empty outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return set()
+    given = set()
+    for override in HydraConfig.get().overrides.task:
+        key, eq, _ = override.lstrip("+").partition("=")
+        if eq and key == "model":
+            given.add("arch")
+        elif eq and key.startswith("model."):
+            given.add(key.split(".")[1])
+    return given
+
+
 def model_to_start_from(cfg: DictConfig) -> dict[str, torch.Tensor] | None:
     """For ``init_from=PATH``: put that checkpoint's model arguments into ``cfg.model`` and
     return its network weights (``net.*`` without the prefix); None without ``init_from``.
 
+    A ``model.*`` key given on the command line that only regularises (``dropout``,
+    ``drop_path_rate``, ...) is applied over the checkpoint's; any other that differs from
+    the checkpoint's is refused, since the weights fix it. The config's other model values
+    that differ (its preset's) are named in one warning line: the checkpoint's are kept.
+
     Raises:
-        ConfigError: ``init_from`` together with ``ckpt_path``.
+        ConfigError: ``init_from`` together with ``ckpt_path``, or a model key given that
+            the checkpoint's weights cannot take.
         CheckpointError: see :func:`read_checkpoint`.
     """
     path = cfg.get("init_from")
@@ -427,9 +456,30 @@ def model_to_start_from(cfg: DictConfig) -> dict[str, torch.Tensor] | None:
             "run where it stopped, init_from starts a new one from a checkpoint's model"
         )
     ckpt = read_checkpoint(path)
+    stored = ckpt["hyper_parameters"]["model"]
+    wanted = OmegaConf.to_container(cfg.model, resolve=True)
+    given = _model_keys_given()
+    model, refused, kept = dict(stored), [], []
+    for key in sorted(wanted):
+        if key in stored and wanted[key] == stored[key]:
+            continue
+        shown = f"model.{key}={wanted[key]} (checkpoint: {stored.get(key, 'its default')})"
+        if key in given and key in _OVER_WEIGHTS:
+            model[key] = wanted[key]
+        elif key in given:
+            refused.append(shown)
+        elif key in stored:
+            kept.append(f"model.{key}={stored[key]} (config: {wanted[key]})")
+    if refused:
+        raise ConfigError(
+            f"init_from={path} trains that checkpoint's weights, which fix its model: "
+            f"{'; '.join(refused)} cannot be applied. Leave it out, or drop init_from to "
+            "train a new model"
+        )
+    if kept:
+        log.warning("init_from=%s: the checkpoint's model trains: %s", path, ", ".join(kept))
     with open_dict(cfg):
-        cfg.model = OmegaConf.create(ckpt["hyper_parameters"]["model"])
-    model = OmegaConf.to_container(cfg.model)
+        cfg.model = OmegaConf.create(model)
     log.info("init_from=%s: model %s, training from epoch 0", path, model)
     prefix = "net."
     return {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
