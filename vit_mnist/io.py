@@ -27,6 +27,14 @@ from vit_mnist.errors import WriteError
 log = logging.getLogger(__name__)
 
 
+def printable_path(path: str | Path) -> str:
+    """``path`` as text that any file, terminal or CSV takes: each byte of a name that is
+    not valid UTF-8 (``os.fsdecode`` keeps it as a lone surrogate, which no UTF-8 writer
+    accepts) written as ``\\xNN``, its hex value; every other character as it is. So the
+    file ``b"7\\xff.png"`` is the text ``7\\xff.png`` (Python's ``backslashreplace``)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary file in the same folder and a rename.
 
