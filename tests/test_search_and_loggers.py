@@ -6,6 +6,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -189,3 +191,73 @@ def test_a_study_stopped_by_ctrl_c_keeps_the_trials_it_finished(tmp_path):
     study = yaml.safe_load((tmp_path / RESULTS_FILE).read_text())
     assert study["best_value"] == 0.25 and [t["state"] for t in study["trials"]] == ["COMPLETE"]
     assert 0.001 <= study["best_params"]["module.lr"] <= 0.01
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A folder no file can be made in, for root too (which chmod does not stop)."""
+    import os
+    import tempfile
+
+    if os.geteuid() != 0:
+        folder = tmp_path / "read_only"
+        folder.mkdir()
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    try:  # sysfs refuses root a new file (EACCES)
+        tempfile.TemporaryFile(dir="/sys/kernel").close()
+    except OSError:
+        yield Path("/sys/kernel")
+    else:
+        pytest.skip("no folder that root cannot write here")
+
+
+@pytest.mark.parametrize(
+    ("logger", "setting", "key"),
+    [
+        ("mlflow", "paths.log_dir={}", "tracking_uri"),
+        ("csv", "logger.csv.save_dir={}/csv", "save_dir"),
+        ("tensorboard", "logger.tensorboard.save_dir={}/tb", "save_dir"),
+    ],
+)
+def test_a_read_only_log_folder_is_one_line_in_seconds(
+    read_only_folder, tmp_path, monkeypatch, capsys, logger, setting, key
+):
+    # MLflow retried a read-only store for 1 min 50 s, then gave a traceback.
+    start = time.perf_counter()
+    code, _, stderr = in_process(
+        monkeypatch,
+        capsys,
+        f"logger={logger}",
+        setting.format(read_only_folder),
+        f"hydra.run.dir={tmp_path / 'run'}",
+        *ONE_EPOCH,
+        *TINY_MODEL,
+    )
+    assert time.perf_counter() - start < 10
+    assert code == 2, stderr[-3000:]
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith(f"error: logger.{logger}.{key}=") and str(read_only_folder) in line
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_disk_that_fills_while_tensorboard_writes_is_one_line(tmp_path, monkeypatch, capsys):
+    """TensorBoard writes in a thread of its own: a full disk printed that thread's traceback
+    and then the main thread's, interleaved with the progress."""
+    import errno
+
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(RecordWriter, "write", full)
+    run_dir = tmp_path / "run"
+    code, _, stderr = in_process(
+        monkeypatch, capsys, f"hydra.run.dir={run_dir}", *ONE_EPOCH, *TINY_MODEL
+    )
+    assert code == 2 and "Traceback" not in stderr and "Exception in thread" not in stderr
+    (line,) = [x for x in stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith(f"error: cannot write the run's files in {run_dir}: No space left")
