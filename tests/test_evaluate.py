@@ -400,3 +400,38 @@ def test_finite_weights_that_give_a_non_finite_loss_are_damaged_too(synthetic_ck
     with pytest.raises(CheckpointError, match=f"checkpoint {damaged} is damaged: its finite"):
         evaluate(cfg)
     assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("sig", "status", "name"), [("SIGINT", 130, "Ctrl-C"), ("SIGTERM", 143, "SIGTERM")]
+)
+def test_a_stop_while_eval_draws_is_one_line_naming_what_is_complete(
+    synthetic_ckpt, tmp_path, monkeypatch, capsys, sig, status, name
+):
+    # Ctrl-C while eval.py drew its figures was a 75-line traceback, no metrics.json and no
+    # word that the run was incomplete.
+    import signal
+
+    from vit_mnist import cli
+    from vit_mnist import evaluate as evaluate_module
+
+    def stopped_while_drawing(*args, **kwargs):
+        os.kill(os.getpid(), getattr(signal, sig))
+
+    monkeypatch.setattr(evaluate_module, "save_figure", stopped_while_drawing)
+    monkeypatch.setattr(cli.os, "_exit", lambda code: None)  # the stop goes on as SystemExit
+    run_dir = tmp_path / "run"
+    code, _, err = in_process(
+        monkeypatch,
+        capsys,
+        f"ckpt_path={synthetic_ckpt[0]}",
+        f"hydra.run.dir={run_dir}",
+        "trainer=cpu",
+        task="evaluate",
+    )
+    assert code == status and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"Stopped by {name} during evaluate.py; complete in {run_dir}: misclassified.png, "
+        "misclassified_relevance.png, per_class.csv; nothing else was written."
+    )
+    assert not (run_dir / "metrics.json").exists()

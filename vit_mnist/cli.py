@@ -19,6 +19,7 @@ import signal
 import sys
 from collections.abc import Callable
 from functools import wraps
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -271,6 +272,45 @@ def _start(task: str, cfg: DictConfig, command: str | None = None) -> ModuleType
     return module
 
 
+class _Stopped(BaseException):
+    """Ctrl-C or SIGTERM, raised by :func:`_stops_in_one_line`'s handler. Not a
+    ``KeyboardInterrupt``: Lightning turns that into exit status 1 and Gradio's server loop
+    swallows it; this passes through both (each cleans up on the way) to one line."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stops_in_one_line(body: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
+    """``body(cfg)`` (eval.py's, export.py's or explore.py's); Ctrl-C or SIGTERM at any stage
+    ends the program with one line saying which files of the run dir are complete (every
+    file is written whole, :mod:`vit_mnist.io`), exit status 130 or 143. Before, Ctrl-C in
+    eval.py's figures was a 75-line traceback with no word that the run was incomplete."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise _Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return body(cfg)
+    except _Stopped as e:
+        what = "Ctrl-C" if e.signum == signal.SIGINT else "SIGTERM"
+        out = cfg.paths.output_dir
+        made = sorted(
+            p.name
+            for p in Path(out).glob("*")
+            if p.is_file() and not p.name.startswith(".") and p.suffix != ".log"
+        )
+        done = f"complete in {out}: {', '.join(made)}; nothing else" if made else "no file"
+        done += " was written"
+        print(f"\nStopped by {what} during {Path(sys.argv[0]).name}; {done}.", file=sys.stderr)
+        raise SystemExit(128 + e.signum) from None
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def prepare_ddp_launch(trainer_cfg: DictConfig) -> None:
     """Prepare a DDP run: on a CPU, each process's share of the cores, which Lightning sets
     when fit starts (unless ``OMP_NUM_THREADS`` does), is set now, so that the speed paths
@@ -339,7 +379,7 @@ def train(cfg: DictConfig) -> dict[str, Any] | float | None:
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="eval")
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """``vit-mnist-eval ckpt_path=PATH`` = ``python eval.py ckpt_path=PATH``."""
-    return _start("evaluate", cfg).main(cfg)
+    return _stops_in_one_line(_start("evaluate", cfg).main, cfg)
 
 
 @_command_line
@@ -353,11 +393,11 @@ def predict(cfg: DictConfig) -> Any:
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="export")
 def export(cfg: DictConfig) -> Any:
     """``vit-mnist-export ckpt_path=PATH format=onnx`` = ``python scripts/export.py ...``."""
-    return _start("export", cfg).main(cfg)
+    return _stops_in_one_line(_start("export", cfg).main, cfg)
 
 
 @_command_line
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="explore")
 def explore(cfg: DictConfig) -> Any:
     """``vit-mnist-explore ckpt_path=PATH`` = ``python scripts/explore.py ckpt_path=PATH``."""
-    return _start("explorer", cfg, "explore").main(cfg)
+    return _stops_in_one_line(_start("explorer", cfg, "explore").main, cfg)
