@@ -328,6 +328,12 @@ BAD_SETTINGS = [
     # Refused before the speed paths are timed on a batch of that size (it ran out of memory).
     (["data.batch_size=1000000"], ["data.batch_size=1000000", "512 training images"]),
     (["data=mnist", "data.batch_size=60000"], ["data.batch_size=60000", "55000 training images"]),
+    # A log folder that cannot be written: MLflow retried it for two minutes.
+    (
+        ["logger=mlflow", "paths.log_dir=/dev/null/logs"],
+        ["logger.mlflow.tracking_uri", "/dev/null"],
+    ),
+    (["logger=csv", "logger.csv.save_dir=/dev/null/csv"], ["logger.csv.save_dir", "/dev/null"]),
 ]
 
 
