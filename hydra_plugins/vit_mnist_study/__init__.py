@@ -148,7 +148,8 @@ def _trial_value(job: JobReturn, metric: str) -> float | None:
 
     job_dir = Path(job.hydra_cfg.hydra.runtime.output_dir)
     if job.status == JobStatus.FAILED:
-        error = job._return_value  # the exception the job raised; the sweep goes on
+        # The exception the job raised (JobReturn.return_value would raise it here).
+        error = job._return_value
         log.error("trial %s failed", job_dir.name, exc_info=error)
         record_failure(job_dir, f"{type(error).__name__}: {error}", type(error).__name__)
         return None
