@@ -133,12 +133,13 @@ def test_csv_and_mlflow_log_beside_tensorboard_and_nothing_leaves_the_machine(
     assert len(history) == 2 and math.isclose(history[-1].value, metrics["val/acc"], abs_tol=1e-6)
 
 
-@pytest.mark.slow  # two worker processes, each importing torch and Lightning: 11 s on 2 cores
+@pytest.mark.slow  # a worker process that imports torch and Lightning: 8-15 s on 2 cores
 def test_a_joblib_sweep_with_a_failed_job_exits_as_the_basic_launcher_does(
     tmp_path, monkeypatch, capsys
 ):
-    """The joblib launcher runs each job in a worker process: the failed job's record is its
-    failed.json there, which the sweep reads at its end (before, the sweep exited 0)."""
+    """The joblib launcher runs the job in a worker process (n_jobs=2: not in this one):
+    the failed job's record is its failed.json there, which the sweep reads at its end
+    (before, the sweep exited 0). The basic launcher's case: tests/test_cli.py."""
     monkeypatch.chdir(tmp_path)
     code, _, stderr = in_process(
         monkeypatch,
@@ -146,7 +147,7 @@ def test_a_joblib_sweep_with_a_failed_job_exits_as_the_basic_launcher_does(
         "-m",
         "hydra/launcher=joblib",
         "hydra.launcher.n_jobs=2",
-        "model.num_heads=3,2",
+        "model.num_heads=3",
         *ONE_EPOCH,
         *[o for o in TINY_MODEL if not o.startswith("model.num_heads")],
     )
@@ -154,7 +155,6 @@ def test_a_joblib_sweep_with_a_failed_job_exits_as_the_basic_launcher_does(
     (sweep,) = (tmp_path / "outputs" / "train" / "multiruns").iterdir()
     failed = json.loads((sweep / "0" / "failed.json").read_text())
     assert failed["type"] == "ConfigError" and "num_heads=3" in failed["error"]
-    assert (sweep / "1" / "metrics.json").is_file() and not (sweep / "1" / "failed.json").exists()
     assert f"1 job(s) of the sweep failed:\n  {sweep / '0'}: " in stderr
 
 
