@@ -245,13 +245,15 @@ def test_console_script_trains_with_user_overrides_then_eval_evaluates(
 
 
 def test_every_package_is_installed():
-    """pyproject lists the packages by hand (configs/ maps to vit_mnist.configs): keep up."""
+    """pyproject lists the packages by hand (configs/ maps to vit_mnist.configs; the Optuna
+    study's sweeper is a package of Hydra's plugin namespace): keep up."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     listed = set(pyproject["tool"]["setuptools"]["packages"])
     found = {
         ".".join(p.parent.relative_to(ROOT).parts)
-        for p in (ROOT / "vit_mnist").rglob("__init__.py")
+        for top in ("vit_mnist", "hydra_plugins")
+        for p in (ROOT / top).rglob("__init__.py")
     } | {"vit_mnist.configs"}
     assert listed == found
 

@@ -3,6 +3,7 @@ convnet teacher (model=cnn, experiment=cnn_teacher)."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from vit_mnist.distillation import hard_distillation_loss
 from vit_mnist.errors import CheckpointError, ConfigError
 from vit_mnist.evaluate import evaluate
 from vit_mnist.models.vit import VisionTransformer
-from vit_mnist.module import ViTClassifier
+from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
 from vit_mnist.train import train
 
 TINY = dict(patch_size=7, embed_dim=32, depth=2, num_heads=2)
@@ -118,6 +119,37 @@ def test_a_student_trains_from_its_teacher_and_keeps_only_its_own_weights(distil
     assert {"net.dist_token", "net.head_dist.weight"} <= keys
     assert not [k for k in keys if "teacher" in k]
     assert metrics["speed_path"] == "reference" and 0 <= metrics["test/acc"] <= 1
+    # Which teacher, of which data, how good: in metrics.json and in the student's checkpoint.
+    taught_by = json.loads((teacher.parent.parent / "metrics.json").read_text())
+    assert metrics["teacher"] == {
+        "ckpt": str(teacher),
+        "dataset": "synthetic",
+        "val_acc_best": read_checkpoint(teacher)["val_acc_best"],
+        "test_acc": taught_by["test/acc"],
+    }
+    assert ckpt[RUN_INFO_KEY]["teacher"] == metrics["teacher"]
+    written = json.loads((student.parent.parent / "metrics.json").read_text())
+    assert written["teacher"] == metrics["teacher"]
+
+
+def test_a_teacher_of_another_dataset_is_refused_before_any_work(
+    distilled, make_train_cfg, tmp_path
+):
+    # Fashion-MNIST and MNIST have the same shapes and class count: a Fashion-MNIST convnet
+    # distilled an MNIST student without a word.
+    teacher, _, _ = distilled
+    ckpt = torch.load(teacher, weights_only=True)
+    ckpt[RUN_INFO_KEY]["data"]["_target_"] = "vit_mnist.data.FashionMNISTDataModule"
+    foreign = tmp_path / "fashion_teacher.ckpt"
+    torch.save(ckpt, foreign)
+    cfg = make_train_cfg("model.distillation=true", f"module.teacher_ckpt={foreign}")
+    with pytest.raises(ConfigError) as error:
+        train(cfg)
+    assert str(error.value) == (
+        f"module.teacher_ckpt={foreign} was trained on fashion_mnist, this run trains on "
+        "synthetic: give a teacher trained on synthetic (experiment=cnn_teacher data=synthetic)"
+    )
+    assert not (tmp_path / "train").exists()
 
 
 @pytest.mark.parametrize("analysis", [None, "heads", "faithfulness", "roles", "prune"])

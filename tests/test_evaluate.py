@@ -14,12 +14,13 @@ import torch
 from PIL import Image
 
 from tests.conftest import compose_config
+from tests.helpers import in_process
 from tests.test_distributed import read_events
 from tests.test_train import check_run
 from vit_mnist.analysis.heads import heads_zeroed
 from vit_mnist.checkpointing import checkpoint_datamodule, read_checkpoint, resolve_ckpt_path
 from vit_mnist.data.synthetic import SyntheticDataModule
-from vit_mnist.errors import ConfigError
+from vit_mnist.errors import CheckpointError, ConfigError
 from vit_mnist.evaluate import evaluate
 from vit_mnist.models import VisionTransformer
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
@@ -416,3 +417,72 @@ def test_eval_on_the_validation_split_with_a_test_time_shift(synthetic_ckpt, tmp
         evaluate(compose_config("eval", [*args, "analysis=heads"], tmp_path / "heads"))
     with pytest.raises(ConfigError, match=r"split=train is not one of \['test', 'val'\]"):
         evaluate(compose_config("eval", [f"ckpt_path={ckpt}", "split=train"], tmp_path / "x"))
+
+
+@pytest.mark.parametrize("task", ["evaluate", "predict", "export"])
+def test_a_checkpoint_with_nan_weights_is_one_line_naming_it(
+    synthetic_ckpt, tmp_path, monkeypatch, capsys, task
+):
+    # Not truncated, one weight corrupted: eval reported 9.8% with a NaN loss, then an
+    # IndexError traceback while drawing.
+    ckpt = torch.load(synthetic_ckpt[0], weights_only=True)
+    ckpt["state_dict"]["net.head.bias"][3] = float("nan")
+    damaged = tmp_path / "damaged.ckpt"
+    torch.save(ckpt, damaged)
+    images = ["images=[digit.png]"] if task == "predict" else []
+    run_dir = tmp_path / "run"
+    code, _, err = in_process(
+        monkeypatch, capsys, f"ckpt_path={damaged}", *images, f"hydra.run.dir={run_dir}", task=task
+    )
+    assert code == 2, err[-2000:]
+    assert err.strip().splitlines() == [
+        f"error: checkpoint {damaged} is damaged: net.head.bias holds 1 NaN or infinite value(s) "
+        "of 10; use another checkpoint of the run, e.g. its last.ckpt or best-*.ckpt"
+    ]
+    assert not {p.name for p in run_dir.glob("*")} - {".hydra", f"{task}.log", "eval.log"}
+
+
+def test_finite_weights_that_give_a_non_finite_loss_are_damaged_too(synthetic_ckpt, tmp_path):
+    ckpt = torch.load(synthetic_ckpt[0], weights_only=True)
+    ckpt["state_dict"]["net.head.weight"] *= 1e38  # finite, but the logits overflow
+    damaged = tmp_path / "huge.ckpt"
+    torch.save(ckpt, damaged)
+    cfg = compose_config("eval", [f"ckpt_path={damaged}", "trainer=cpu"], tmp_path / "run")
+    with pytest.raises(CheckpointError, match=f"checkpoint {damaged} is damaged: its finite"):
+        evaluate(cfg)
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("sig", "status", "name"), [("SIGINT", 130, "Ctrl-C"), ("SIGTERM", 143, "SIGTERM")]
+)
+def test_a_stop_while_eval_draws_is_one_line_naming_what_is_complete(
+    synthetic_ckpt, tmp_path, monkeypatch, capsys, sig, status, name
+):
+    # Ctrl-C while eval.py drew its figures was a 75-line traceback, no metrics.json and no
+    # word that the run was incomplete.
+    import signal
+
+    from vit_mnist import cli
+    from vit_mnist import evaluate as evaluate_module
+
+    def stopped_while_drawing(*args, **kwargs):
+        os.kill(os.getpid(), getattr(signal, sig))
+
+    monkeypatch.setattr(evaluate_module, "save_figure", stopped_while_drawing)
+    monkeypatch.setattr(cli.os, "_exit", lambda code: None)  # the stop goes on as SystemExit
+    run_dir = tmp_path / "run"
+    code, _, err = in_process(
+        monkeypatch,
+        capsys,
+        f"ckpt_path={synthetic_ckpt[0]}",
+        f"hydra.run.dir={run_dir}",
+        "trainer=cpu",
+        task="evaluate",
+    )
+    assert code == status and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"Stopped by {name} during evaluate.py; complete in {run_dir}: misclassified.png, "
+        "misclassified_relevance.png, per_class.csv; nothing else was written."
+    )
+    assert not (run_dir / "metrics.json").exists()

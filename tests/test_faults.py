@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from tests.conftest import ROOT, TINY_MODEL, compose_config
 from vit_mnist.checkpointing import (
     AtomicCheckpointIO,
+    model_to_start_from,
     read_checkpoint,
     resolve_latest,
     resume_command,
@@ -327,6 +328,12 @@ BAD_SETTINGS = [
     # Refused before the speed paths are timed on a batch of that size (it ran out of memory).
     (["data.batch_size=1000000"], ["data.batch_size=1000000", "512 training images"]),
     (["data=mnist", "data.batch_size=60000"], ["data.batch_size=60000", "55000 training images"]),
+    # A log folder that cannot be written: MLflow retried it for two minutes.
+    (
+        ["logger=mlflow", "paths.log_dir=/dev/null/logs"],
+        ["logger.mlflow.tracking_uri", "/dev/null"],
+    ),
+    (["logger=csv", "logger.csv.save_dir=/dev/null/csv"], ["logger.csv.save_dir", "/dev/null"]),
 ]
 
 
@@ -514,3 +521,26 @@ def test_resume_names_the_settings_it_keeps_from_the_checkpoint(make_train_cfg, 
     )
     with pytest.raises(ConfigError, match="data.batch_size=32 differs from the 64"):
         train(other)
+
+
+def test_init_from_applies_a_model_key_its_weights_allow_and_refuses_the_others(
+    make_train_cfg, tmp_path, caplog
+):
+    # init_from=... model.depth=3 trained the checkpoint's depth, saying so at INFO only.
+    ckpt = fake_checkpoint(tmp_path / "start" / "last.ckpt", 1000, mlp_ratio=4.0)
+    with pytest.raises(ConfigError) as error:
+        model_to_start_from(make_train_cfg(f"init_from={ckpt}", "model.depth=3"))
+    assert str(error.value) == (
+        f"init_from={ckpt} trains that checkpoint's weights, which fix its model: "
+        "model.depth=3 (checkpoint: 2) cannot be applied. Leave it out, or drop init_from to "
+        "train a new model"
+    )
+    cfg = make_train_cfg(f"init_from={ckpt}", "model.drop_path_rate=0.2")
+    with caplog.at_level(logging.WARNING, logger="vit_mnist.checkpointing"):
+        model_to_start_from(cfg)
+    assert cfg.model.drop_path_rate == 0.2 and cfg.model.mlp_ratio == 4.0
+    # The preset's mlp_ratio, not given on the command line, gives way to the checkpoint's.
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning == (
+        f"init_from={ckpt}: the checkpoint's model trains: model.mlp_ratio=4.0 (config: 2.0)"
+    )

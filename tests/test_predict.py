@@ -428,3 +428,29 @@ def test_a_subfolder_that_cannot_be_listed_is_named_and_skipped(tmp_path, caplog
     assert paths == [good] and problems == []
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warned == [f"{locked}: a subfolder that cannot be listed (Permission denied); skipped"]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file names are bytes on POSIX only")
+def test_a_file_name_that_is_not_utf8_is_predicted_and_written_escaped(tiny_ckpt, tmp_path, capsys):
+    """One such name among good images ended in a UnicodeEncodeError traceback with no row
+    written, for the good images of its batch too. The name's bad bytes are written as
+    \\xNN (vit_mnist.io.printable_path), in the CSV, the terminal and the pictures' names,
+    and a resumed run finds the row again."""
+    folder = tmp_path / "scans"
+    draw_digit(folder / "1.png", seed=1)
+    draw_digit(Path(os.fsdecode(os.fsencode(folder) + b"/7\xff.png")), seed=2)
+    draw_digit(folder / "9.png", seed=3)
+    run_dir = tmp_path / "run"
+    code, rows = predict(tiny_ckpt, str(folder), run_dir)
+    assert code == 0
+    assert [r["path"] for r in rows] == [
+        f"{folder}/1.png",
+        f"{folder}/7\\xff.png",
+        f"{folder}/9.png",
+    ]
+    for row in rows:
+        check_predicted(row, run_dir)
+    assert rows[1]["attention"] == "7\\xff_attention.png"
+    assert f"{folder}/7\\xff.png: " in capsys.readouterr().out
+    code, again = predict(tiny_ckpt, str(folder), run_dir, "resume=true")
+    assert code == 0 and again == rows  # nothing predicted twice

@@ -105,7 +105,7 @@ def test_speed_paths_run_a_pruned_model(monkeypatch):
     assert len(kernel_calls) == (2 if ("native", "32-true") in pairs else 0)  # one per block
 
 
-def test_eval_prunes_and_the_pruned_checkpoint_evaluates_alike(tmp_path, make_train_cfg):
+def test_eval_prunes_and_the_pruned_checkpoint_evaluates_alike(tmp_path):
     # A checkpoint as train() writes it, without the training: synthetic data, 8 heads.
     module = ViTClassifier(model={**ARGS, "num_classes": 10})
     module.net.load_state_dict(_model().state_dict())
@@ -148,7 +148,15 @@ def test_eval_prunes_and_the_pruned_checkpoint_evaluates_alike(tmp_path, make_tr
     assert _params(loaded.net) == metrics["pruning/params_pruned"]
     # Fine-tuning: train.py init_from= starts a new run from the pruned model's arguments and
     # weights (1 head per block), with a fresh optimizer.
-    tuned = train(make_train_cfg(f"init_from={pruned_ckpt}", "trainer.max_epochs=1"))
+    # No model.* keys given: those would have to match the checkpoint's (tests/test_faults.py).
+    fine_tune = [
+        "data=synthetic",
+        "trainer=cpu",
+        "trainer.max_epochs=1",
+        f"init_from={pruned_ckpt}",
+    ]
+    fine_tune += ["speed.path=reference", "trainer.precision=32-true"]
+    tuned = train(compose_config("train", fine_tune, tmp_path / "t"))
     assert tuned["model"]["num_heads"] == [1, 1] and tuned["init_from"] == str(pruned_ckpt)
     assert tuned["num_params"] == metrics["pruning/params_pruned"]
     assert tuned["epochs"] == 1

@@ -6,6 +6,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -46,6 +48,55 @@ def test_a_three_trial_optuna_study_optimises_validation_accuracy(tmp_path, monk
     assert len(set(lrs)) == 3 and all(5e-4 <= lr <= 1e-2 for lr in lrs)
 
 
+def test_a_study_records_a_failed_trial_goes_on_and_minimises_a_loss(tmp_path, monkeypatch, capsys):
+    """Three trials, the second drawing 3 heads for a width of 32 (an impossible model):
+    that trial is recorded as FAIL with its failed.json and the study goes on; the results
+    file holds every trial, and with optimized_metric=val/loss the best is the lowest loss.
+    (hydra-optuna-sweeper's own sweeper ended such a study in a traceback, with no results,
+    and kept the highest loss.)"""
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = in_process(
+        monkeypatch,
+        capsys,
+        "-m",
+        "hparams_search=mnist_optuna",
+        "optimized_metric=val/loss",
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.sampler.seed=6",  # draws 2, 3, 2 heads
+        "model.num_heads=choice(2,3)",
+        *ONE_EPOCH,
+        *[o for o in TINY_MODEL if not o.startswith("model.num_heads")],
+    )
+    assert code == 1, stderr[-3000:]  # as any sweep with a failed job (README)
+    assert "Traceback" not in stderr and "1 job(s) of the sweep failed" in stderr
+    (sweep,) = (tmp_path / "outputs" / "train" / "multiruns").iterdir()
+    failed = json.loads((sweep / "1" / "failed.json").read_text())
+    assert failed["type"] == "ConfigError" and "num_heads=3" in failed["error"]
+    study = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert study["direction"] == "minimize" and study["metric"] == "val/loss"
+    assert [t["state"] for t in study["trials"]] == ["COMPLETE", "FAIL", "COMPLETE"]
+    losses = {j: json.loads((sweep / j / "metrics.json").read_text())["val/loss"] for j in "02"}
+    assert losses["0"] != losses["2"]
+    best = min(losses, key=losses.get)
+    assert study["best_value"] == pytest.approx(losses[best])
+    assert study["best_job"] == str(sweep / best)
+
+
+@pytest.mark.parametrize("name", ["null", "val/accuracy"])
+def test_a_study_of_a_metric_it_cannot_optimise_is_one_line(tmp_path, monkeypatch, capsys, name):
+    # Before: every trial failed, then Optuna's traceback.
+    monkeypatch.chdir(tmp_path)
+    tiny = ["hydra.sweeper.n_trials=1", *ONE_EPOCH, *TINY_MODEL]  # what would run
+    code, _, stderr = in_process(
+        monkeypatch, capsys, "-m", "hparams_search=mnist_optuna", f"optimized_metric={name}", *tiny
+    )
+    assert code == 2 and stderr.strip().splitlines() == [
+        f"error: optimized_metric={name} is not a metric an Optuna study can optimise; use one of "
+        "['val/acc_best', 'val/acc', 'val/loss'], e.g. optimized_metric=val/acc_best"
+    ]
+    assert not list(tmp_path.rglob("*.json"))
+
+
 @pytest.mark.parametrize("name", ["test/acc", "val/accuracy"])
 def test_a_search_metric_must_be_a_validation_metric(make_train_cfg, name):
     with pytest.raises(ConfigError, match=f"optimized_metric={name}.*val/acc_best"):
@@ -80,3 +131,133 @@ def test_csv_and_mlflow_log_beside_tensorboard_and_nothing_leaves_the_machine(
     assert int(mlflow_run.data.params["num_params"]) == metrics["num_params"]
     history = client.get_metric_history(mlflow_run.info.run_id, "val/acc")
     assert len(history) == 2 and math.isclose(history[-1].value, metrics["val/acc"], abs_tol=1e-6)
+
+
+@pytest.mark.slow  # a worker process that imports torch and Lightning: 8-15 s on 2 cores
+def test_a_joblib_sweep_with_a_failed_job_exits_as_the_basic_launcher_does(
+    tmp_path, monkeypatch, capsys
+):
+    """The joblib launcher runs the job in a worker process (n_jobs=2: not in this one):
+    the failed job's record is its failed.json there, which the sweep reads at its end
+    (before, the sweep exited 0). The basic launcher's case: tests/test_cli.py."""
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = in_process(
+        monkeypatch,
+        capsys,
+        "-m",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        "model.num_heads=3",
+        *ONE_EPOCH,
+        *[o for o in TINY_MODEL if not o.startswith("model.num_heads")],
+    )
+    assert code == 1, stderr[-3000:]
+    (sweep,) = (tmp_path / "outputs" / "train" / "multiruns").iterdir()
+    failed = json.loads((sweep / "0" / "failed.json").read_text())
+    assert failed["type"] == "ConfigError" and "num_heads=3" in failed["error"]
+    assert f"1 job(s) of the sweep failed:\n  {sweep / '0'}: " in stderr
+
+
+def test_a_study_stopped_by_ctrl_c_keeps_the_trials_it_finished(tmp_path):
+    """The results file is written after every trial, so an interrupt in the second trial
+    leaves the first one's result (the upstream sweeper wrote its file at the very end)."""
+    import optuna
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.vit_mnist_study import RESULTS_FILE, StudySweeper
+
+    class InterruptedSecondJob:
+        def launch(self, batch, initial_job_idx):
+            if initial_job_idx == 1:
+                raise KeyboardInterrupt
+            job_dir = {"hydra": {"runtime": {"output_dir": str(tmp_path / "0")}}}
+            done = JobReturn(status=JobStatus.COMPLETED, hydra_cfg=OmegaConf.create(job_dir))
+            done.return_value = 0.25
+            return [done]
+
+    sweeper = StudySweeper(
+        sampler=optuna.samplers.RandomSampler(seed=0),
+        n_trials=3,
+        n_jobs=1,
+        params=OmegaConf.create({"module.lr": "interval(0.001, 0.01)"}),
+    )
+    sweeper.config = OmegaConf.create(
+        {"optimized_metric": "val/loss", "hydra": {"sweep": {"dir": str(tmp_path)}}}
+    )
+    sweeper.launcher = InterruptedSecondJob()
+    with pytest.raises(KeyboardInterrupt):
+        sweeper.sweep([])
+    study = yaml.safe_load((tmp_path / RESULTS_FILE).read_text())
+    assert study["best_value"] == 0.25 and [t["state"] for t in study["trials"]] == ["COMPLETE"]
+    assert 0.001 <= study["best_params"]["module.lr"] <= 0.01
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A folder no file can be made in, for root too (which chmod does not stop)."""
+    import os
+    import tempfile
+
+    if os.geteuid() != 0:
+        folder = tmp_path / "read_only"
+        folder.mkdir()
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    try:  # sysfs refuses root a new file (EACCES)
+        tempfile.TemporaryFile(dir="/sys/kernel").close()
+    except OSError:
+        yield Path("/sys/kernel")
+    else:
+        pytest.skip("no folder that root cannot write here")
+
+
+@pytest.mark.parametrize(
+    ("logger", "setting", "key"),
+    [
+        ("mlflow", "paths.log_dir={}", "tracking_uri"),
+        ("csv", "logger.csv.save_dir={}/csv", "save_dir"),
+        ("tensorboard", "logger.tensorboard.save_dir={}/tb", "save_dir"),
+    ],
+)
+def test_a_read_only_log_folder_is_one_line_in_seconds(
+    read_only_folder, tmp_path, monkeypatch, capsys, logger, setting, key
+):
+    # MLflow retried a read-only store for 1 min 50 s, then gave a traceback.
+    start = time.perf_counter()
+    code, _, stderr = in_process(
+        monkeypatch,
+        capsys,
+        f"logger={logger}",
+        setting.format(read_only_folder),
+        f"hydra.run.dir={tmp_path / 'run'}",
+        *ONE_EPOCH,
+        *TINY_MODEL,
+    )
+    assert time.perf_counter() - start < 10
+    assert code == 2, stderr[-3000:]
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith(f"error: logger.{logger}.{key}=") and str(read_only_folder) in line
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_disk_that_fills_while_tensorboard_writes_is_one_line(tmp_path, monkeypatch, capsys):
+    """TensorBoard writes in a thread of its own: a full disk printed that thread's traceback
+    and then the main thread's, interleaved with the progress."""
+    import errno
+
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(RecordWriter, "write", full)
+    run_dir = tmp_path / "run"
+    code, _, stderr = in_process(
+        monkeypatch, capsys, f"hydra.run.dir={run_dir}", *ONE_EPOCH, *TINY_MODEL
+    )
+    assert code == 2 and "Traceback" not in stderr and "Exception in thread" not in stderr
+    (line,) = [x for x in stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith(f"error: cannot write the run's files in {run_dir}: No space left")

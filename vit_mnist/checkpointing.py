@@ -4,6 +4,7 @@ trained on, writing them atomically, and saving one on interrupt."""
 from __future__ import annotations
 
 import io
+import json
 import logging
 import shlex
 import sys
@@ -19,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from vit_mnist.errors import CheckpointError, ConfigError, WriteError
 from vit_mnist.io import atomic_write_bytes
 from vit_mnist.module import RUN_INFO_KEY
-from vit_mnist.settings import EvalSettings, check_settings
+from vit_mnist.settings import EvalSettings, check_settings, import_target
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +130,9 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         run info (data config, precision, seed) that ``train`` stored.
 
     Raises:
-        CheckpointError: the file is missing, unreadable or truncated, or is not a
-            checkpoint written by vit_mnist; the message names the path.
+        CheckpointError: the file is missing, unreadable or truncated, is not a checkpoint
+            written by vit_mnist, or holds weights that are NaN or infinite (damaged); the
+            message names the path.
     """
     path = Path(path)
     if path.is_dir():
@@ -173,16 +175,46 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path} is not a vit_mnist checkpoint (no model arguments stored in it)"
         )
+    # Training stops on a non-finite loss before it saves (NonFiniteLossError), so NaN or
+    # infinite weights are damage: evaluated, they gave chance accuracy and a NaN loss.
+    for name, tensor in ckpt["state_dict"].items():
+        if torch.is_tensor(tensor) and tensor.is_floating_point():
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                raise CheckpointError(
+                    f"checkpoint {path} is damaged: {name} holds {bad} NaN or infinite "
+                    f"value(s) of {tensor.numel()}; use another checkpoint of the run, e.g. "
+                    "its last.ckpt or best-*.ckpt"
+                )
     return ckpt
 
 
-def check_teacher(teacher_ckpt: str | None, model: dict[str, Any]) -> None:
+def _dataset_name(target: str | None) -> str | None:
+    """The ``name`` of the data module a ``_target_`` names (``mnist``), or the target."""
+    if not target:
+        return None
+    try:
+        return getattr(import_target(target), "name", target)
+    except ImportError:
+        return target
+
+
+def check_teacher(
+    teacher_ckpt: str | None, model: dict[str, Any], data_target: str | None = None
+) -> dict[str, Any] | None:
     """A distillation run's teacher (``module.teacher_ckpt``) against its student's
-    arguments ``model``: both or neither set, the file a checkpoint of this project, and the
-    teacher classifying the same images into as many classes.
+    arguments ``model`` and data module ``data_target``: both or neither set, the file a
+    checkpoint of this project, and the teacher trained on the same dataset (as its stored
+    data config says) and classifying the same images into as many classes.
+
+    Returns:
+        None without a teacher; else its record for the student's ``metrics.json`` and
+        checkpoints: ``ckpt`` (the path), ``dataset``, ``val_acc_best`` (a fraction, from
+        the teacher's checkpoint) and ``test_acc`` (from the ``metrics.json`` of the run
+        that wrote it, None where that is not beside it).
 
     Raises:
-        ConfigError: one setting without the other, or a teacher of another shape.
+        ConfigError: one setting without the other, or a teacher of another dataset or shape.
         CheckpointError: see :func:`read_checkpoint`.
     """
     if bool(model.get("distillation")) != bool(teacher_ckpt):
@@ -196,15 +228,35 @@ def check_teacher(teacher_ckpt: str | None, model: dict[str, Any]) -> None:
             "written by train.py, e.g. outputs/train/runs/<run>/checkpoints/best-....ckpt)"
         )
     if not teacher_ckpt:
-        return
-    teacher = read_checkpoint(teacher_ckpt)["hyper_parameters"]["model"]
+        return None
+    ckpt = read_checkpoint(teacher_ckpt)
+    teacher = ckpt["hyper_parameters"]["model"]
+    theirs = _dataset_name(ckpt.get(RUN_INFO_KEY, {}).get("data", {}).get("_target_"))
+    ours = _dataset_name(data_target)
+    if theirs and ours and theirs != ours:
+        # Same shapes (Fashion-MNIST and MNIST), other classes: its labels would be noise.
+        raise ConfigError(
+            f"module.teacher_ckpt={teacher_ckpt} was trained on {theirs}, this run trains on "
+            f"{ours}: give a teacher trained on {ours} (experiment=cnn_teacher data={ours})"
+        )
     for key, default in (("num_classes", 10), ("img_size", 28), ("in_chans", 1)):
-        theirs, ours = teacher.get(key, default), model.get(key, default)
-        if theirs != ours:
+        theirs_value, ours_value = teacher.get(key, default), model.get(key, default)
+        if theirs_value != ours_value:
             raise ConfigError(
-                f"module.teacher_ckpt={teacher_ckpt} has {key}={theirs}, this model "
-                f"model.{key}={ours}: give a teacher trained on the same data"
+                f"module.teacher_ckpt={teacher_ckpt} has {key}={theirs_value}, this model "
+                f"model.{key}={ours_value}: give a teacher trained on the same data"
             )
+    try:
+        run_metrics = json.loads((Path(teacher_ckpt).parent.parent / "metrics.json").read_text())
+        test_acc = float(run_metrics["test/acc"])
+    except (OSError, ValueError, KeyError, TypeError):
+        test_acc = None
+    return {
+        "ckpt": str(teacher_ckpt),
+        "dataset": theirs,
+        "val_acc_best": ckpt.get("val_acc_best"),
+        "test_acc": test_acc,
+    }
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> Path:
@@ -358,12 +410,41 @@ def _keep_what_resumes(cfg: DictConfig, ckpt: dict[str, Any], path: Path) -> Non
         )
 
 
+# Model arguments that a run started from a checkpoint's weights can take over them: they
+# change neither the parameters' shapes nor what the weights mean (regularisation, and the
+# attention's implementation).
+_OVER_WEIGHTS = frozenset({"dropout", "attn_dropout", "drop_path_rate"}) | _NOT_MODEL_IDENTITY
+
+
+def _model_keys_given() -> set[str]:
+    """The ``model.*`` keys the command line sets (``model.depth=3``, ``+model.x=1``), and
+    ``arch`` for a ``model=NAME``; empty outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return set()
+    given = set()
+    for override in HydraConfig.get().overrides.task:
+        key, eq, _ = override.lstrip("+").partition("=")
+        if eq and key == "model":
+            given.add("arch")
+        elif eq and key.startswith("model."):
+            given.add(key.split(".")[1])
+    return given
+
+
 def model_to_start_from(cfg: DictConfig) -> dict[str, torch.Tensor] | None:
     """For ``init_from=PATH``: put that checkpoint's model arguments into ``cfg.model`` and
     return its network weights (``net.*`` without the prefix); None without ``init_from``.
 
+    A ``model.*`` key given on the command line that only regularises (``dropout``,
+    ``drop_path_rate``, ...) is applied over the checkpoint's; any other that differs from
+    the checkpoint's is refused, since the weights fix it. The config's other model values
+    that differ (its preset's) are named in one warning line: the checkpoint's are kept.
+
     Raises:
-        ConfigError: ``init_from`` together with ``ckpt_path``.
+        ConfigError: ``init_from`` together with ``ckpt_path``, or a model key given that
+            the checkpoint's weights cannot take.
         CheckpointError: see :func:`read_checkpoint`.
     """
     path = cfg.get("init_from")
@@ -375,9 +456,30 @@ def model_to_start_from(cfg: DictConfig) -> dict[str, torch.Tensor] | None:
             "run where it stopped, init_from starts a new one from a checkpoint's model"
         )
     ckpt = read_checkpoint(path)
+    stored = ckpt["hyper_parameters"]["model"]
+    wanted = OmegaConf.to_container(cfg.model, resolve=True)
+    given = _model_keys_given()
+    model, refused, kept = dict(stored), [], []
+    for key in sorted(wanted):
+        if key in stored and wanted[key] == stored[key]:
+            continue
+        shown = f"model.{key}={wanted[key]} (checkpoint: {stored.get(key, 'its default')})"
+        if key in given and key in _OVER_WEIGHTS:
+            model[key] = wanted[key]
+        elif key in given:
+            refused.append(shown)
+        elif key in stored:
+            kept.append(f"model.{key}={stored[key]} (config: {wanted[key]})")
+    if refused:
+        raise ConfigError(
+            f"init_from={path} trains that checkpoint's weights, which fix its model: "
+            f"{'; '.join(refused)} cannot be applied. Leave it out, or drop init_from to "
+            "train a new model"
+        )
+    if kept:
+        log.warning("init_from=%s: the checkpoint's model trains: %s", path, ", ".join(kept))
     with open_dict(cfg):
-        cfg.model = OmegaConf.create(ckpt["hyper_parameters"]["model"])
-    model = OmegaConf.to_container(cfg.model)
+        cfg.model = OmegaConf.create(model)
     log.info("init_from=%s: model %s, training from epoch 0", path, model)
     prefix = "net."
     return {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}

@@ -19,6 +19,7 @@ import signal
 import sys
 from collections.abc import Callable
 from functools import wraps
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -46,8 +47,11 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
       ``+``/``++`` form. Hydra prints them itself, over several lines, unless
       ``HYDRA_FULL_ERROR`` is set; it is set here so they reach this wrapper (a user who set
       it gets Hydra's full report as before).
-    - Exit status 1 after a multirun in which a job stopped on a user error (each such job
-      wrote ``failed.json`` and the others ran: :func:`vit_mnist.errors.exit_on_user_error`).
+    - Exit status 1 after a multirun in which a job failed (each such job wrote
+      ``failed.json`` and the others ran: :func:`vit_mnist.errors.exit_on_user_error`,
+      :class:`vit_mnist.errors.SweepFailures`), whichever launcher ran the jobs.
+    - A user error raised by the sweeper itself (an Optuna study's ``optimized_metric``) is
+      one line and exit status 2, as in a single run.
     - A stop by Ctrl-C or SIGTERM (130, 143) exits at once: see :func:`_exit_at_once`.
     """
 
@@ -56,6 +60,7 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
         user_setting = os.environ.get("HYDRA_FULL_ERROR")
         user_wants_full_errors = bool(user_setting)
         os.environ["HYDRA_FULL_ERROR"] = "1"
+        _register_plugins()
         try:
             result = main()
         except SystemExit as e:
@@ -63,8 +68,12 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
                 _exit_at_once(e.code)
             raise
         except Exception as e:
+            from vit_mnist.errors import USER_ERRORS
+
             line = None
-            if not user_wants_full_errors and not _STARTED:
+            if isinstance(e, USER_ERRORS):  # the sweeper's own check (hparams_search=...)
+                line = str(e)
+            elif not user_wants_full_errors and not _STARTED:
                 line = _hydra_error_line(e, main.__name__, sys.argv[1:])
             if line is None:
                 raise
@@ -87,6 +96,17 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
         return result
 
     return wrapper
+
+
+def _register_plugins() -> None:
+    """Register this project's Hydra plugin, the Optuna study's sweeper
+    (hydra_plugins/vit_mnist_study), by name: Hydra finds plugins by listing the
+    ``hydra_plugins`` package, which an editable install (``pip install -e``) does not list."""
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.vit_mnist_study import StudySweeper
+
+    Plugins.instance().register(StudySweeper)
 
 
 # The exit statuses of a stop by Ctrl-C or SIGTERM: 128 + the signal's number.
@@ -252,6 +272,45 @@ def _start(task: str, cfg: DictConfig, command: str | None = None) -> ModuleType
     return module
 
 
+class _Stopped(BaseException):
+    """Ctrl-C or SIGTERM, raised by :func:`_stops_in_one_line`'s handler. Not a
+    ``KeyboardInterrupt``: Lightning turns that into exit status 1 and Gradio's server loop
+    swallows it; this passes through both (each cleans up on the way) to one line."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stops_in_one_line(body: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
+    """``body(cfg)`` (eval.py's, export.py's or explore.py's); Ctrl-C or SIGTERM at any stage
+    ends the program with one line saying which files of the run dir are complete (every
+    file is written whole, :mod:`vit_mnist.io`), exit status 130 or 143. Before, Ctrl-C in
+    eval.py's figures was a 75-line traceback with no word that the run was incomplete."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise _Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return body(cfg)
+    except _Stopped as e:
+        what = "Ctrl-C" if e.signum == signal.SIGINT else "SIGTERM"
+        out = cfg.paths.output_dir
+        made = sorted(
+            p.name
+            for p in Path(out).glob("*")
+            if p.is_file() and not p.name.startswith(".") and p.suffix != ".log"
+        )
+        done = f"complete in {out}: {', '.join(made)}; nothing else" if made else "no file"
+        done += " was written"
+        print(f"\nStopped by {what} during {Path(sys.argv[0]).name}; {done}.", file=sys.stderr)
+        raise SystemExit(128 + e.signum) from None
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def prepare_ddp_launch(trainer_cfg: DictConfig) -> None:
     """Prepare a DDP run: on a CPU, each process's share of the cores, which Lightning sets
     when fit starts (unless ``OMP_NUM_THREADS`` does), is set now, so that the speed paths
@@ -302,7 +361,7 @@ def prepare_ddp_launch(trainer_cfg: DictConfig) -> None:
 
 @_command_line
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="train")
-def train(cfg: DictConfig) -> dict[str, Any] | float:
+def train(cfg: DictConfig) -> dict[str, Any] | float | None:
     """``vit-mnist-train [overrides]`` = ``python train.py [overrides]``. Returns the run's
     metrics, or with ``optimized_metric`` set (a hyper-parameter search) that one value."""
     task = _start("train", cfg)
@@ -311,16 +370,16 @@ def train(cfg: DictConfig) -> dict[str, Any] | float:
     name = cfg.get("optimized_metric")
     if not name:
         return metrics
-    # The one number a sweeper optimises (configs/hparams_search/). A job stopped by a user
-    # error returns None (the sweep goes on): NaN, which Optuna records as a failed trial.
-    return float("nan") if metrics is None else float(metrics[name])
+    # The one number a sweeper optimises (configs/hparams_search/); None from a job stopped
+    # by a user error (the sweep goes on), which the study records as a failed trial.
+    return None if metrics is None else float(metrics[name])
 
 
 @_command_line
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="eval")
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """``vit-mnist-eval ckpt_path=PATH`` = ``python eval.py ckpt_path=PATH``."""
-    return _start("evaluate", cfg).main(cfg)
+    return _stops_in_one_line(_start("evaluate", cfg).main, cfg)
 
 
 @_command_line
@@ -334,11 +393,11 @@ def predict(cfg: DictConfig) -> Any:
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="export")
 def export(cfg: DictConfig) -> Any:
     """``vit-mnist-export ckpt_path=PATH format=onnx`` = ``python scripts/export.py ...``."""
-    return _start("export", cfg).main(cfg)
+    return _stops_in_one_line(_start("export", cfg).main, cfg)
 
 
 @_command_line
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="explore")
 def explore(cfg: DictConfig) -> Any:
     """``vit-mnist-explore ckpt_path=PATH`` = ``python scripts/explore.py ckpt_path=PATH``."""
-    return _start("explorer", cfg, "explore").main(cfg)
+    return _stops_in_one_line(_start("explorer", cfg, "explore").main, cfg)

@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from hydra.errors import InstantiationException
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +50,45 @@ class NonFiniteLossError(RuntimeError):
 USER_ERRORS = (ConfigError, DataError, CheckpointError, NonFiniteLossError, WriteError)
 
 
-# The jobs of this process's Hydra multirun that stopped on a user error, as
-# (run dir, message): the command line exits 1 after the sweep when any did.
+# The jobs of this process's Hydra multirun that failed, as (run dir, message), read from
+# their failed.json when the sweep ends (:class:`SweepFailures`): the command line exits 1
+# after the sweep when any did.
 FAILED_JOBS: list[tuple[str, str]] = []
 
 FAILED_FILE = "failed.json"
 
 
+def record_failure(job_dir: str | Path, message: str, kind: str) -> None:
+    """Write ``<job_dir>/failed.json`` (``error``: ``message``, ``type``: ``kind``), the
+    record of a sweep's job that failed, whichever process or machine ran it."""
+    from vit_mnist.io import atomic_write_bytes
+
+    record = {"error": message, "type": kind}
+    atomic_write_bytes(Path(job_dir) / FAILED_FILE, (json.dumps(record, indent=2) + "\n").encode())
+
+
+class SweepFailures(Callback):
+    """The Hydra callback (configs/hydra/default.yaml) that gathers a sweep's failed jobs
+    from their ``failed.json`` once the sweep ends, into :data:`FAILED_JOBS`.
+
+    Read from the files, not from this process's memory: Hydra's basic launcher runs the
+    jobs in this process, but the joblib launcher runs them in worker processes and the
+    SLURM one on other machines; each writes its record into its own run dir. A job that
+    starts removes the record of an earlier sweep into the same folder.
+    """
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.hydra.mode == RunMode.MULTIRUN:
+            (Path(config.hydra.runtime.output_dir) / FAILED_FILE).unlink(missing_ok=True)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        for path in sorted(Path(config.hydra.sweep.dir).rglob(FAILED_FILE)):
+            FAILED_JOBS.append((str(path.parent), json.loads(path.read_text())["error"]))
+
+
 def multirun_job_dir() -> str | None:
     """The run dir of the current Hydra multirun job, or None outside a multirun."""
     from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
     if not HydraConfig.initialized():
         return None
@@ -69,8 +100,8 @@ def exit_on_user_error(func: Callable[..., Any]) -> Callable[..., Any]:
     """Turn a :data:`USER_ERRORS` exception into one line on stderr and exit status 2.
 
     Inside a Hydra multirun (``-m``) the job does not exit: the line is printed, the
-    error is written to ``<run dir>/failed.json`` (``error``, ``type``) and added to
-    :data:`FAILED_JOBS`, and the sweep goes on with its next job.
+    error is written to ``<run dir>/failed.json`` (:func:`record_failure`), the job
+    returns None, and the sweep goes on with its next job.
 
     Any other exception keeps its traceback: that is a bug to report, not bad input.
     """
@@ -93,13 +124,7 @@ def exit_on_user_error(func: Callable[..., Any]) -> Callable[..., Any]:
             if job_dir is None:
                 print(f"{fresh}error: {cause}", file=sys.stderr)
                 raise SystemExit(2) from None
-            from vit_mnist.io import atomic_write_bytes
-
-            record = {"error": str(cause), "type": type(cause).__name__}
-            atomic_write_bytes(
-                Path(job_dir) / FAILED_FILE, (json.dumps(record, indent=2) + "\n").encode()
-            )
-            FAILED_JOBS.append((job_dir, str(cause)))
+            record_failure(job_dir, str(cause), type(cause).__name__)
             print(f"{fresh}error in job {job_dir}: {cause} (the sweep goes on)", file=sys.stderr)
             return None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ from vit_mnist.checkpointing import (
     read_checkpoint,
     resolve_ckpt_path,
 )
-from vit_mnist.errors import ConfigError, exit_on_user_error
+from vit_mnist.errors import CheckpointError, ConfigError, exit_on_user_error
 from vit_mnist.hardware import describe_device, resolve_accelerator, resolve_precision
 from vit_mnist.io import save_figure, save_png, write_csv, write_metrics
 from vit_mnist.models.vit import VisionTransformer
@@ -158,6 +159,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         cfg.trainer, logger=loggers, precision=precision, accelerator=accelerator, **limit
     )
     results = trainer.test(module, datamodule=datamodule)[0]
+    if not all(map(math.isfinite, results.values())):
+        # Finite weights (read_checkpoint checks them) whose loss is not: damaged all the same.
+        raise CheckpointError(
+            f"checkpoint {ckpt_path} is damaged: its finite weights give {results}, which no "
+            "trained model gives; use another checkpoint of the run"
+        )
     if split != "test":
         results = {k.replace("test/", f"{split}/", 1): v for k, v in results.items()}
 

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import secrets
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,28 @@ import torch
 from vit_mnist.errors import WriteError
 
 log = logging.getLogger(__name__)
+
+
+def printable_path(path: str | Path) -> str:
+    """``path`` as text that any file, terminal or CSV takes: each byte of a name that is
+    not valid UTF-8 (``os.fsdecode`` keeps it as a lone surrogate, which no UTF-8 writer
+    accepts) written as ``\\xNN``, its hex value; every other character as it is. So the
+    file ``b"7\\xff.png"`` is the text ``7\\xff.png`` (Python's ``backslashreplace``)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def unwritable(folder: str | Path) -> str | None:
+    """Why no file can be written in ``folder`` (or, where it does not exist yet, in the
+    nearest folder above it, where it would be made), or None when one can. Found by making
+    one (removed at once): ``os.access`` says yes to root whatever the file system says."""
+    existing = Path(folder).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            return None
+    except OSError as e:
+        return f"{printable_path(existing)}: {e.strerror or e}"
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

@@ -34,7 +34,7 @@ from vit_mnist.analysis.relevance import class_relevance
 from vit_mnist.checkpointing import read_checkpoint, resolve_ckpt_path
 from vit_mnist.drawing import grey, labelled_grid, overlay
 from vit_mnist.errors import CheckpointError, ConfigError, exit_on_user_error
-from vit_mnist.io import append_csv_rows, save_png, write_csv
+from vit_mnist.io import append_csv_rows, printable_path, save_png, write_csv
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
 from vit_mnist.settings import PredictSettings, check_settings
@@ -198,7 +198,7 @@ def _keep_images(candidates: Iterable[Path], origin: str, hint: str | None = Non
         if kind == "folder":
             folders += 1
         elif kind != "file":
-            log.warning("%s: %s; skipped", path, kind)
+            log.warning("%s: %s; skipped", printable_path(path), kind)
         elif path.name.startswith("."):
             # Left out as glob's "*" leaves them out: "._7.png" is the metadata macOS
             # writes beside "7.png" on a USB stick, not an image.
@@ -239,7 +239,7 @@ def _unsafe_folders(pattern: str) -> list[Path]:
     def unlisted(error: OSError) -> None:
         log.warning(
             "%s: a subfolder that cannot be listed (%s); skipped",
-            error.filename,
+            printable_path(error.filename),
             error.strerror or error,
         )
 
@@ -251,7 +251,8 @@ def _unsafe_folders(pattern: str) -> list[Path]:
                 continue
             target = os.path.realpath(path)
             if file_kind(path) == "folder" and (here + os.sep).startswith(target + os.sep):
-                log.warning("%s: a symlink loop (to %s, which holds it); skipped", path, target)
+                shown = printable_path(path), printable_path(target)
+                log.warning("%s: a symlink loop (to %s, which holds it); skipped", *shown)
                 loops.append(path)
     return loops
 
@@ -331,7 +332,8 @@ def collect_images(
                 try:
                     found += _keep_images(list(folder.iterdir()), str(folder))
                 except OSError as e:
-                    log.warning("%s: cannot be listed (%s)", folder, e.strerror or e)
+                    shown = printable_path(folder)
+                    log.warning("%s: cannot be listed (%s)", shown, e.strerror or e)
             if not matches:
                 problems.append((spec, "no file matches this pattern"))
             elif not found:
@@ -357,13 +359,13 @@ def output_stems(paths: Sequence[Path]) -> list[str]:
     (``a_7``), and a number after when that still collides (``7_2``). Compared without
     case, as the files may land on a case-insensitive disk.
     """
-    counts = Counter(p.stem.casefold() for p in paths)
+    counts = Counter(printable_path(p.stem).casefold() for p in paths)
     used: set[str] = set()
     stems = []
     for path in paths:
-        base = path.stem
+        base = printable_path(path.stem)
         if counts[base.casefold()] > 1:
-            base = f"{path.resolve().parent.name or 'root'}_{base}"
+            base = f"{printable_path(path.resolve().parent.name) or 'root'}_{base}"
         stem, n = base, 1
         while stem.casefold() in used:
             n += 1
@@ -463,7 +465,10 @@ def _read_image(path: Path) -> torch.Tensor:
         image.load()
         frames = getattr(image, "n_frames", 1)
         if frames > 1:
-            log.warning("%s: an animation of %d frames; its first frame is predicted", path, frames)
+            shown = printable_path(path)
+            log.warning(
+                "%s: an animation of %d frames; its first frame is predicted", shown, frames
+            )
         return mnist_preprocess(image)
 
 
@@ -559,11 +564,12 @@ def _draw(
     col_labels = ["input", *(f"head {h}" for h in range(heads)), "rollout"]
     for i, (result, stem) in enumerate(zip(results, stems, strict=True)):
         best, confidence = result.top[0]
+        name = printable_path(result.path.name)
         picture = labelled_grid(
             tiles[i : i + 1],
             row_labels=[""],
             col_labels=[*col_labels, f"relevance: {best}"],
-            title=f"{result.path.name}: {best} ({100 * confidence:.1f}%), last layer",
+            title=f"{name}: {best} ({100 * confidence:.1f}%), last layer",
         )
         save_png(inputs[i], out_dir / f"{stem}_28x28.png")
         result.picture = out_dir / f"{stem}_attention.png"
@@ -573,7 +579,8 @@ def _draw(
 def csv_rows(results: Iterable[Prediction]) -> list[dict[str, str]]:
     """The ``predictions.csv`` rows of ``results``, one each.
 
-    Columns: ``path`` (as given or found), ``predicted`` (the best class),
+    Columns: ``path`` (as given or found; a name's bytes that are not UTF-8 as ``\\xNN``,
+    :func:`~vit_mnist.io.printable_path`), ``predicted`` (the best class),
     ``confidence`` (its softmax probability, 0 to 1), ``top3`` (``"7:0.981 1:0.012
     9:0.003"``: class:probability, best first), ``error`` (empty when fine) and
     ``attention`` (the file name of the attention picture, in the same folder; empty for
@@ -584,7 +591,7 @@ def csv_rows(results: Iterable[Prediction]) -> list[dict[str, str]]:
     for r in results:
         best = r.top[0] if r.top else ("", None)
         values = [
-            str(r.path),
+            printable_path(r.path),
             best[0],
             "" if best[1] is None else f"{best[1]:.4f}",
             " ".join(f"{name}:{p:.3f}" for name, p in r.top),
@@ -737,12 +744,12 @@ def main(cfg: DictConfig) -> list[Prediction]:
     if resume:
         log.info(
             "resume=true: %d of the %d images are in %s already",
-            sum(str(p) in done for p in paths),
+            sum(printable_path(p) in done for p in paths),
             len(paths),
             csv_path,
         )
     stems = output_stems(paths)
-    todo = [i for i, path in enumerate(paths) if str(path) not in done]
+    todo = [i for i, path in enumerate(paths) if printable_path(path) not in done]
     limit = _pictures_limit(cfg.pictures, len(paths))
     results: list[Prediction] = []
     failed_before = sum(bool(row["error"]) for row in done.values())
@@ -766,14 +773,14 @@ def main(cfg: DictConfig) -> list[Prediction]:
             unfound = [
                 Prediction(path=Path(spec), top=[], error=reason)
                 for spec, reason in problems
-                if str(Path(spec)) not in done
+                if printable_path(Path(spec)) not in done
             ]
             with interrupts.held():
                 if unfound:
                     append_csv_rows(csv_path, csv_rows(unfound), CSV_COLUMNS)
                 results += unfound
     except KeyboardInterrupt:
-        kept = sum(str(p) in done for p in paths) + len(results)
+        kept = sum(printable_path(p) in done for p in paths) + len(results)
         what = "SIGTERM" if interrupts.signum == signal.SIGTERM else "Ctrl-C"
         print(
             f"\nInterrupted ({what}): {kept} of {len(paths)} images are in {csv_path}; "
@@ -786,10 +793,11 @@ def main(cfg: DictConfig) -> list[Prediction]:
     total = len(done) + len(results)
     for r in results:
         if r.error:
-            print(f"{r.path}: cannot be read ({r.error})")
+            print(f"{printable_path(r.path)}: cannot be read ({r.error})")
         elif total <= LIST_AT_MOST:
             top = "  ".join(f"{name} ({100 * p:.1f}%)" for name, p in r.top)
-            print(f"{r.path}: {top}" + (f"   -> {r.picture}" if r.picture else ""))
+            picture = f"   -> {printable_path(r.picture)}" if r.picture else ""
+            print(f"{printable_path(r.path)}: {top}{picture}")
     if total > LIST_AT_MOST:
         counts = Counter(r.top[0][0] for r in results if r.top)
         counts.update(row["predicted"] for row in done.values() if row["predicted"])

@@ -38,9 +38,9 @@ from vit_mnist.speed import PATH_NAMES
 PRECISIONS = ["32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true"]
 # Apple's MPS is not among them: the speed paths are timed and tested on CPUs and CUDA only.
 ACCELERATORS = ["auto", "cpu", "gpu", "cuda"]
-# What a hyper-parameter search (configs/hparams_search/) may optimise: validation figures
-# only, so that the test set stays unseen until a recipe is chosen.
-SEARCH_METRICS = ["val/acc_best", "val/acc", "val/loss"]
+# What a hyper-parameter search (configs/hparams_search/) may optimise, and which way:
+# validation figures only, so that the test set stays unseen until a recipe is chosen.
+SEARCH_METRICS = {"val/acc_best": "maximize", "val/acc": "maximize", "val/loss": "minimize"}
 
 
 def _setting(
@@ -444,6 +444,10 @@ RETIRED: dict[str, str] = {
         "speed.path=compile (or speed.compile=true, with which speed.path=auto times it too)"
     ),
     "speed.cache": "is gone: speed.path=auto times the paths afresh in every run; drop it",
+    "hydra.sweeper.direction": (
+        "is gone: an Optuna study's direction is its optimized_metric's (val/loss is "
+        "minimised, the accuracies maximised); drop it"
+    ),
 }
 
 # Hydra instantiation keys, not arguments of the target.

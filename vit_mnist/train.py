@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import inspect
 import logging
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +21,17 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from vit_mnist.callbacks.throughput import TrainThroughput
-from vit_mnist.checkpointing import check_teacher, model_to_start_from, resume_checkpoint
+from vit_mnist.checkpointing import (
+    check_teacher,
+    model_to_start_from,
+    resume_checkpoint,
+    resume_command,
+)
 from vit_mnist.data.augment import BatchAugment
 from vit_mnist.data.sources import MNIST_MD5, raw_folder
-from vit_mnist.errors import ConfigError, exit_on_user_error
+from vit_mnist.errors import ConfigError, WriteError, exit_on_user_error
 from vit_mnist.hardware import describe_device, resolve_accelerator, resolve_precision, uses_cuda
-from vit_mnist.io import write_metrics
+from vit_mnist.io import unwritable, write_metrics
 from vit_mnist.models import check_model_args
 from vit_mnist.module import ViTClassifier
 from vit_mnist.settings import PRECISIONS, TrainSettings, check_settings, import_target
@@ -103,8 +111,8 @@ def check_config(cfg: DictConfig) -> None:
     Every key's type and range against the schema (vit_mnist/settings.py), then what needs
     more than one value or the machine: the model's shape, the model against the dataset,
     the augmentation's ranges together, the device and its precision, that the data
-    directory can be written when the data must be fetched into it, and a logger for the
-    callbacks that write through one.
+    directory can be written when the data must be fetched into it, a logger for the
+    callbacks that write through one, and each logger's folder can be written.
 
     Raises:
         ConfigError: one line naming the key, the value and what would be valid.
@@ -126,11 +134,12 @@ def check_config(cfg: DictConfig) -> None:
             "use data=mnist, data=fashion_mnist or data=synthetic"
         )
     _check_model_fits_data(model, datamodule_cls)
-    check_teacher(cfg.module.get("teacher_ckpt"), model)
+    check_teacher(cfg.module.get("teacher_ckpt"), model, data._target_)
     if data.get("data_dir") is not None:
         _check_data_dir(str(data.data_dir), getattr(datamodule_cls, "folder", "MNIST"))
     _check_device(cfg.trainer)
     _check_loggers_for(cfg.get("callbacks") or {}, cfg.get("logger") or {})
+    _check_log_folders(cfg.get("logger") or {})
 
 
 def _check_loggers_for(callbacks: DictConfig | dict, loggers: DictConfig | dict) -> None:
@@ -144,6 +153,32 @@ def _check_loggers_for(callbacks: DictConfig | dict, loggers: DictConfig | dict)
                 f"callbacks.{name} writes the learning rate to a logger, and every logger is "
                 f"off; turn it off as well (~logger callbacks.{name}=null) or keep a logger "
                 "(logger=tensorboard)"
+            )
+
+
+def _check_log_folders(loggers: DictConfig | dict) -> None:
+    """Each logger's folder can be written: TensorBoard's and the CSV logger's ``save_dir``,
+    the folder of MLflow's local store (``sqlite:///PATH`` or ``file:PATH``; a server is not
+    checked). MLflow retried a read-only store for two minutes, then gave a traceback."""
+    for name, logger in loggers.items():
+        if not logger:
+            continue
+        key, folder = "save_dir", logger.get("save_dir")
+        if logger.get("tracking_uri") is not None:
+            key, folder = "tracking_uri", None
+            scheme, _, rest = str(logger.tracking_uri).partition(":")
+            if scheme == "sqlite":  # sqlite:///rel.db, sqlite:////abs.db (SQLAlchemy's URL)
+                folder = Path(rest.removeprefix("///")).parent
+            elif scheme == "file":  # file:///abs, file:rel
+                folder = Path(rest.removeprefix("//"))
+        why = unwritable(folder) if folder is not None else None
+        if why:
+            value = logger.get(key)
+            # MLflow's store is under paths.log_dir, the others' folders in the run dir.
+            moved = "paths.log_dir=PATH" if key == "tracking_uri" else "hydra.run.dir=PATH"
+            raise ConfigError(
+                f"logger.{name}.{key}={value} cannot be written ({why}); choose a folder you "
+                f"can write: {moved}, or logger.{name}.{key}=..."
             )
 
 
@@ -173,6 +208,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """
     init = model_to_start_from(cfg)
     check_config(cfg)
+    # What the student learnt from, for metrics.json and its checkpoints (checked above).
+    teacher = check_teacher(cfg.module.get("teacher_ckpt"), _resolved(cfg.model), cfg.data._target_)
     ckpt_path, start_step = resume_checkpoint(cfg)
     L.seed_everything(cfg.seed, workers=True)
 
@@ -189,6 +226,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         module.net.load_state_dict(init)
     choice = prepare_speed(module, cfg, datamodule)
     module.run_info = {"data": _resolved(cfg.data), "precision": choice.precision, "seed": cfg.seed}
+    if teacher is not None:
+        module.run_info["teacher"] = teacher
 
     # `callbacks.NAME=null` on the command line switches one off (configs/callbacks/).
     callbacks = [hydra.utils.instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
@@ -227,6 +266,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         **_run_metrics(cfg, trainer, datamodule, choice),
         "best_ckpt": best_ckpt or None,
         "resumed_from": str(ckpt_path) if ckpt_path else None,
+        "teacher": teacher,
     }
     if not trainer.is_global_zero:
         # Under DDP every process has the same all-reduced metrics; one writes the file.
@@ -295,18 +335,50 @@ def _stop_on_sigterm(signum: int, frame: Any) -> None:
         frame = frame.f_back
 
 
+# A full disk, a quota, a read-only or forbidden folder: what a writer cannot do.
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _quiet_write_errors(hook: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``threading.excepthook`` without the traceback of a writer thread's failed write:
+    TensorBoard's event writer raises it again in the main thread at its next write, where
+    :func:`main` says it in one line."""
+
+    def quiet(args: Any) -> None:
+        if isinstance(args.exc_value, OSError) and args.exc_value.errno in WRITE_ERRNOS:
+            log.debug("write error in thread %s", args.thread, exc_info=args.exc_value)
+            return
+        hook(args)
+
+    return quiet
+
+
 @exit_on_user_error
 def main(cfg: DictConfig) -> dict[str, Any]:
     """The body of ``python train.py``: ``train(cfg)``, bad input reported in one line.
 
-    Exit status: 0 when done, 2 for bad input or a non-finite loss, 130 after Ctrl-C and
-    143 after SIGTERM. In the training loop both save ``last.ckpt`` first and print the
-    command that resumes (:class:`~vit_mnist.callbacks.SaveOnInterrupt`); anywhere else
-    they stop at once with one line. Every file is written whole or not at all.
+    Exit status: 0 when done, 2 for bad input, a non-finite loss or files that cannot be
+    written (a full disk, a folder made read-only: one line, what was written kept), 130
+    after Ctrl-C and 143 after SIGTERM. In the training loop both save ``last.ckpt`` first
+    and print the command that resumes (:class:`~vit_mnist.callbacks.SaveOnInterrupt`);
+    anywhere else they stop at once with one line.
     """
     previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    previous_hook = threading.excepthook
+    threading.excepthook = _quiet_write_errors(previous_hook)
     try:
         return train(cfg)
+    except OSError as e:
+        if isinstance(e, WriteError) or e.errno not in WRITE_ERRNOS:
+            raise
+        # A logger's writes (TensorBoard's in a thread of its own, the CSV logger's) failed:
+        # the disk filled, or the folder became read-only. Each file already written is whole.
+        last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+        then = f"resume: {resume_command(last)}" if last.is_file() else "run the command again"
+        raise WriteError(
+            f"cannot write the run's files in {cfg.paths.output_dir}: {e.strerror or e}; "
+            f"what was written before is kept. Make room, then {then}"
+        ) from None
     except KeyboardInterrupt:
         # Outside Lightning's loops: inside them Lightning exits with 1 instead (below).
         log.warning(STOPPED, "Ctrl-C")
@@ -321,3 +393,4 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+        threading.excepthook = previous_hook

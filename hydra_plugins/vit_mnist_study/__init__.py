@@ -1,0 +1,198 @@
+"""``hydra/sweeper=study``: an Optuna study as a Hydra sweep that keeps what it found
+(configs/hydra/sweeper/study.yaml; configs/hparams_search/ select it).
+
+Why not hydra-optuna-sweeper's own sweeper: a failed trial ended its whole study in a
+traceback (Optuna refuses the missing value a failed job returns, then the FAIL the
+sweeper tells with values), its results were written only once every trial had run, and
+its direction was a setting of its own, so ``optimized_metric=val/loss`` kept the highest
+loss. This sweeper keeps that package's reading of the search space (``interval``,
+``choice``, ``tag(log, ...)``) and Optuna's sampler, and runs the loop itself:
+
+- the direction is the metric's (:data:`vit_mnist.settings.SEARCH_METRICS`: ``minimize``
+  for ``val/loss``), said in the study's first line; an ``optimized_metric`` that is not a
+  search metric is one line (exit status 2) before any trial;
+- a trial whose job failed is told to Optuna as ``FAIL`` and the study goes on; the job's
+  ``failed.json`` records why (the job writes it for a user error, this sweeper for any
+  other exception), so the command exits 1 after the study, whichever launcher ran it;
+- ``<sweep dir>/optimization_results.yaml`` is written after every trial, atomically: a
+  study stopped by Ctrl-C or a crash keeps the trials it finished.
+
+Hydra instantiates sweepers from the ``hydra_plugins`` package only; hence this package.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra.core.plugins import Plugins
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+RESULTS_FILE = "optimization_results.yaml"
+
+
+class StudySweeper(Sweeper):
+    """Run ``n_trials`` training jobs, each with parameters that Optuna's ``sampler`` draws
+    from ``params`` (Hydra's sweep syntax), ``n_jobs`` at a time through the launcher.
+
+    Args:
+        sampler: an Optuna sampler (``optuna.samplers.TPESampler``, built by Hydra).
+        n_trials: trials in all, failed ones included.
+        n_jobs: trials launched together (in parallel with ``hydra/launcher=joblib``).
+        study_name: the study's name in the results file; None: Optuna's.
+        params: ``{key: sweep}``, e.g. ``{"module.lr": "tag(log, interval(5e-4, 1e-2))"}``;
+            sweeps given on the command line (``model.num_heads=choice(2,4)``) join them.
+    """
+
+    def __init__(
+        self,
+        sampler: Any,
+        n_trials: int,
+        n_jobs: int,
+        study_name: str | None = None,
+        params: DictConfig | None = None,
+    ) -> None:
+        self.sampler = sampler
+        self.n_trials = n_trials
+        self.n_jobs = n_jobs
+        self.study_name = study_name
+        self.params = params or {}
+
+    def setup(
+        self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
+    ) -> None:
+        self.config = config
+        self.hydra_context = hydra_context
+        self.launcher = Plugins.instance().instantiate_launcher(
+            config=config, hydra_context=hydra_context, task_function=task_function
+        )
+
+    def sweep(self, arguments: list[str]) -> list[JobReturn]:
+        """Run the study; returns the jobs' results.
+
+        Raises:
+            ConfigError: ``optimized_metric`` is not one of the search metrics.
+        """
+        import optuna
+        from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
+
+        from vit_mnist.errors import ConfigError
+        from vit_mnist.settings import SEARCH_METRICS
+
+        metric = self.config.get("optimized_metric")
+        if metric not in SEARCH_METRICS:
+            shown = "null" if metric is None else metric
+            raise ConfigError(
+                f"optimized_metric={shown} is not a metric an Optuna study can optimise; "
+                f"use one of {list(SEARCH_METRICS)}, e.g. optimized_metric=val/acc_best"
+            )
+        direction = SEARCH_METRICS[metric]
+        space, fixed = create_params_from_overrides(
+            [*(f"{k}={v}" for k, v in self.params.items()), *arguments]
+        )
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own line per trial
+        study = optuna.create_study(
+            study_name=self.study_name, sampler=self.sampler, direction=direction
+        )
+        results = Path(self.config.hydra.sweep.dir) / RESULTS_FILE
+        log.info(
+            "Optuna study %s: %d trials, each to %s %s; results after every trial in %s",
+            study.study_name,
+            self.n_trials,
+            direction,
+            metric,
+            results,
+        )
+        returns: list[JobReturn] = []
+        try:
+            while len(returns) < self.n_trials:
+                trials = [
+                    study.ask(space) for _ in range(min(self.n_jobs, self.n_trials - len(returns)))
+                ]
+                batch = [
+                    tuple(f"{k}={v}" for k, v in {**t.params, **fixed}.items()) for t in trials
+                ]
+                launched = self.launcher.launch(batch, initial_job_idx=len(returns))
+                for trial, job in zip(trials, launched, strict=True):
+                    value = _trial_value(job, metric)
+                    if value is None:
+                        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                    else:
+                        study.tell(trial, value)
+                    returns.append(job)
+                write_results(study, metric, direction, returns, results)
+        except BaseException:
+            # Ctrl-C, SIGTERM or a crash of this process: the file holds every trial that ended.
+            log.warning(
+                "The study stopped after %d of %d trials; %s holds them",
+                len(returns),
+                self.n_trials,
+                results if returns else "no file",
+            )
+            raise
+        return returns
+
+
+def _trial_value(job: JobReturn, metric: str) -> float | None:
+    """The metric a finished job returned; None, with its ``failed.json`` written, for a job
+    that failed (which then has nothing to return) or returned no finite number."""
+    from vit_mnist.errors import FAILED_FILE, record_failure
+
+    job_dir = Path(job.hydra_cfg.hydra.runtime.output_dir)
+    if job.status == JobStatus.FAILED:
+        # The exception the job raised (JobReturn.return_value would raise it here).
+        error = job._return_value
+        log.error("trial %s failed", job_dir.name, exc_info=error)
+        record_failure(job_dir, f"{type(error).__name__}: {error}", type(error).__name__)
+        return None
+    value = job.return_value
+    if value is not None and math.isfinite(value):
+        log.info("trial %s: %s = %.6g", job_dir.name, metric, value)
+        return float(value)
+    if not (job_dir / FAILED_FILE).is_file():
+        record_failure(job_dir, f"{metric} is {value}", "ValueError")
+    log.warning("trial %s failed; see %s", job_dir.name, job_dir / FAILED_FILE)
+    return None
+
+
+def write_results(
+    study: Any, metric: str, direction: str, jobs: Sequence[JobReturn], path: Path
+) -> None:
+    """Write the study so far to ``path`` (YAML, atomically): ``metric``, ``direction``,
+    ``best_value`` and ``best_params`` (null while no trial has finished), ``best_job``
+    (its run dir) and ``trials``: each trial's number, state (``COMPLETE`` or ``FAIL``),
+    value, parameters and run dir."""
+    from vit_mnist.io import atomic_write_bytes
+
+    dirs = [str(j.hydra_cfg.hydra.runtime.output_dir) for j in jobs]
+    done = [t for t in study.trials if t.value is not None]
+    best = study.best_trial if done else None
+    record = {
+        "name": "optuna",
+        "study_name": study.study_name,
+        "metric": metric,
+        "direction": direction,
+        "best_value": best.value if best else None,
+        "best_params": dict(best.params) if best else None,
+        "best_job": dirs[best.number] if best else None,
+        "trials": [
+            {
+                "number": t.number,
+                "state": t.state.name,
+                "value": t.value,
+                "params": dict(t.params),
+                "job": dirs[t.number],
+            }
+            for t in study.trials
+            if t.number < len(dirs)
+        ],
+    }
+    atomic_write_bytes(path, OmegaConf.to_yaml(OmegaConf.create(record)).encode())
