@@ -5,6 +5,7 @@ inputs and settings. The page in a real browser: tests/test_explorer_browser.py.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import lightning as L
@@ -230,3 +231,49 @@ def test_settings_and_errors(tmp_path, tiny_ckpt, capsys):
     with pytest.raises(SystemExit) as e:
         main(explore_cfg(tmp_path, f"ckpt_path={tiny_ckpt}", f"heads_csv={tmp_path / 'h.csv'}"))
     assert e.value.code == 2 and "h.csv cannot be read" in capsys.readouterr().err
+
+
+def test_two_sessions_at_once_do_not_see_each_others_heads(explorer):
+    """Session A switches every head off while session B, at the same moment, asks for
+    the same image with every head on: B must get the all-heads-on answer. A is held in
+    the middle of its computation (a test hook on the classifier, the last layer) until B
+    has finished, so B runs exactly while A's heads are off."""
+    model, x = explorer.model, an_image(explorer)
+    everything = [(layer, h) for layer in range(3) for h in range(4)]
+    alone_a = explorer.view(x, heads_off=everything).explanation
+    alone_b = explorer.view(x).explanation
+    a_held, b_done = threading.Event(), threading.Event()
+    results, left_on_model = {}, []
+
+    def hold_a(module, inputs):
+        if threading.current_thread().name == "A" and not a_held.is_set():
+            # What A leaves on the shared model while it waits: hooks, a training flag.
+            left_on_model.extend(
+                m for m in model.modules() if m._forward_pre_hooks and m is not module
+            )
+            left_on_model.extend(m for m in model.modules() if m._forward_hooks or m.training)
+            a_held.set()
+            b_done.wait(timeout=30)
+
+    def session(name, heads_off):
+        try:
+            results[name] = explorer.view(x, heads_off=heads_off)
+        finally:
+            b_done.set()
+
+    handle = model.head.register_forward_pre_hook(hold_a)
+    try:
+        a = threading.Thread(target=session, args=("A", everything), name="A")
+        a.start()
+        assert a_held.wait(timeout=30)
+        b = threading.Thread(target=session, args=("B", []), name="B")
+        b.start()
+        b.join(timeout=60)
+        a.join(timeout=60)
+    finally:
+        handle.remove()
+    assert set(results) == {"A", "B"} and not left_on_model
+    torch.testing.assert_close(results["B"].explanation.logits, alone_b.logits)
+    torch.testing.assert_close(results["B"].explanation.relevance, alone_b.relevance)
+    assert "off" not in results["B"].summary
+    torch.testing.assert_close(results["A"].explanation.logits, alone_a.logits)
