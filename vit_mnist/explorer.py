@@ -984,9 +984,12 @@ def build_page(explorer: Explorer):
                 gr, component.async_move_resource_to_block_cache
             )
         both = [state, *panels]
-        quiet = {"show_progress": "hidden"}
+        # No spinner over the panels; and a change made while the last one is computed is
+        # shown after it (Gradio's default for these events drops it, leaving panels that
+        # do not match the controls).
+        quiet = {"show_progress": "hidden", "trigger_mode": "always_last"}
         sketch.change(drawn, [sketch, state, *controls], both, **quiet)
-        upload.upload(new_input(read_upload), [upload, *controls], both)
+        upload.upload(new_input(read_upload), [upload, *controls], both, trigger_mode="always_last")
         index.input(new_input(read_test), [index, *controls], both, **quiet)
         gallery.select(pick_example, controls, both, **quiet)
         page.load(first_example, controls, both, **quiet)
@@ -1029,6 +1032,8 @@ def check_address(server_name: str, server_port: int | None) -> bool:
             or a port that another program holds; the message names the value and the fix.
     """
     loopback = "server_name=127.0.0.1 (this machine only) or 0.0.0.0 (every network)"
+    if ":" in server_name:  # Gradio writes its own address without the brackets IPv6 needs
+        raise ConfigError(f"server_name={server_name}: an IPv6 address; use {loopback}")
     try:
         family, kind, _, _, address = socket.getaddrinfo(
             server_name, server_port or 0, type=socket.SOCK_STREAM
