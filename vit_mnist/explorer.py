@@ -843,7 +843,18 @@ def build_page(explorer: Explorer):
                 gr.Dataframe(value=rows, headers=headers, interactive=False)
 
         controls = [target, scale, layer, token, matrix_head, *switches]
-        panels = [prediction, summary, seen, model_view, query_view, matrix, rollout, relevance]
+        # The View's fields and the components that show them: a new panel is a field of
+        # View and a line here.
+        panels = {
+            "top": prediction,
+            "summary": summary,
+            "seen": seen,
+            "model_view": model_view,
+            "query_view": query_view,
+            "matrix": matrix,
+            "rollout": rollout,
+            "relevance": relevance,
+        }
         queried = [seen, query_view, matrix]
 
         def choices(values: Sequence[Any]) -> dict[str, Any]:
@@ -876,17 +887,7 @@ def build_page(explorer: Explorer):
             v = explorer.view(
                 current["x"], explanation=current["explanation"], source=current["source"], **chosen
             )
-            return [
-                current,
-                v.top,
-                v.summary,
-                v.seen,
-                v.model_view,
-                v.query_view,
-                v.matrix,
-                v.rollout,
-                v.relevance,
-            ]
+            return [current, *(getattr(v, name) for name in panels)]
 
         def requery(current, *values) -> list[Any]:
             """The query view's pictures from the session's explanation."""
@@ -923,7 +924,7 @@ def build_page(explorer: Explorer):
             if x is not None:
                 return show({"x": x, "source": DRAWING}, *values)
             if current is not None and current["source"] == DRAWING:
-                return [None, None, "", *[None] * (len(panels) - 2)]
+                return [None, *("" if name == "summary" else None for name in panels)]
             return [gr.skip()] * (1 + len(panels))
 
         def read_upload(path):
@@ -983,7 +984,7 @@ def build_page(explorer: Explorer):
             component.async_move_resource_to_block_cache = _uploads_only(
                 gr, component.async_move_resource_to_block_cache
             )
-        both = [state, *panels]
+        both = [state, *panels.values()]
         # No spinner over the panels; and a change made while the last one is computed is
         # shown after it (Gradio's default for these events drops it, leaving panels that
         # do not match the controls).
