@@ -4,10 +4,10 @@ python scripts/explorer_browser.py CKPT --shot docs/explorer.png --report docs/e
 
 Starts the explorer of CKPT on the loopback, opens it in headless Chromium (Debian's
 ``/usr/bin/chromium`` through Playwright: ``pip install playwright``, no browser download),
-takes a screenshot of the page, then times 20 input changes (a new test image index typed
-in) from the key press to the updated page (the summary line names the new image and the
-model view's picture has loaded), and writes the median with the CPU into the report.
-The helpers here are the ones ``tests/test_explorer_browser.py`` uses.
+times 20 input changes of each kind (a new test image, a head switched off or on, a patch
+clicked, a stroke drawn) from the input to the updated page, writes their medians and
+worsts with the CPU into the report, and takes a screenshot of the page with a head
+switched off. The helpers here are the ones ``tests/test_explorer_browser.py`` uses.
 """
 
 from __future__ import annotations
@@ -67,13 +67,15 @@ def chromium_page(width: int = 1500, height: int = 1200) -> Iterator:
 
 @contextmanager
 def running_explorer(ckpt: str | Path, data_dir: str | Path = "data") -> Iterator[tuple]:
-    """(explorer, url): the explorer of ``ckpt`` served on 127.0.0.1, a free port."""
+    """(explorer, url, page): the explorer of ``ckpt`` served on 127.0.0.1, a free port,
+    and its Gradio page (closed on the way out)."""
     from vit_mnist.explorer import build_page, launch, load_explorer
 
     cfg = OmegaConf.create(
         {
             "ckpt_path": str(ckpt),
             "heads_csv": None,
+            "max_upload_megapixels": 25,
             "data": None,
             "paths": {"log_dir": "outputs", "data_dir": str(data_dir)},
         }
@@ -82,13 +84,31 @@ def running_explorer(ckpt: str | Path, data_dir: str | Path = "data") -> Iterato
     page = build_page(explorer)
     url = launch(page)
     try:
-        yield explorer, url
+        yield explorer, url, page
     finally:
         page.close()
 
 
 def summary(page) -> str:
     return page.locator("#summary").inner_text()
+
+
+def picture(page, elem_id: str) -> str:
+    """The address of the picture now shown in the panel ``elem_id`` ("" for none)."""
+    found = page.locator(f"#{elem_id} img")
+    return (found.first.get_attribute("src") or "") if found.count() else ""
+
+
+def wait_for_picture(page, elem_id: str, old: str) -> None:
+    """Wait until the panel ``elem_id`` shows a picture other than ``old``, loaded."""
+    page.wait_for_function(
+        """([id, old]) => {
+            const img = document.querySelector(`#${id} img`);
+            return img && img.getAttribute('src') !== old && img.complete
+                && img.naturalWidth > 0;
+        }""",
+        arg=[elem_id, old],
+    )
 
 
 def wait_for_summary(page, text: str) -> str:
@@ -113,17 +133,104 @@ def show_test_image(page, index: int) -> str:
     return wait_for_summary(page, f"test image {index} ")
 
 
-def open_test_tab(page) -> None:
-    page.get_by_role("tab", name="Test image").click()
+def open_tab(page, name: str) -> None:
+    page.get_by_role("tab", name=name).click()
 
 
-def latency(page, indices: list[int]) -> list[float]:
-    """Seconds from typing each test index to the updated page, one per index."""
-    times = []
-    for i in indices:
-        start = time.perf_counter()
-        show_test_image(page, i)
-        times.append(time.perf_counter() - start)
+def stroke(page, start: tuple[float, float], end: tuple[float, float]) -> None:
+    """Draw a line on the Draw tab's canvas from ``start`` to ``end``, in fractions of its
+    width and height, with the brush the page has chosen."""
+    box = page.locator("#sketch canvas").first.bounding_box()
+
+    def at(point):
+        return box["x"] + point[0] * box["width"], box["y"] + point[1] * box["height"]
+
+    page.mouse.move(*at(start))
+    page.mouse.down()
+    page.mouse.move(*at(end), steps=10)
+    page.mouse.up()
+
+
+# What the report says each kind of change is; the same as latency()'s docstring.
+LATENCY_KINDS = """Each kind of input change is timed from the input (a key press, a click, the
+mouse's release after a stroke) to the updated page in headless Chromium: the picture that
+the change redraws has been received and decoded.
+
+- **image**: a new test image index typed in; the summary names it and the model view
+  (every layer x head) has loaded. The model runs once (one forward and one backward pass
+  for the relevance) and every panel is redrawn.
+- **head**: head 1 of layer 0 switched off or on; the new model view has loaded. As image.
+- **patch**: a click on another patch of the input; the new query view has loaded. The
+  model does not run: the query view, the input and the matrix are redrawn from the
+  session's last explanation.
+- **stroke**: a line drawn on a cleared canvas, from the mouse's release; the new model view
+  has loaded. The browser uploads the drawing first, then as image."""
+
+
+def timed(change, wait) -> float:
+    """Seconds from ``change()`` (one input) to the end of ``wait()`` (the page updated)."""
+    start = time.perf_counter()
+    change()
+    wait()
+    return time.perf_counter() - start
+
+
+# The kinds of input change timed, and the latency each should keep to on a 2-core CPU
+# (ms: median, slowest), as issue 80 asks; None: no bound asked.
+TARGETS = {
+    "image": (200, 400),
+    "head": (200, 400),
+    "patch": (None, None),
+    "stroke": (500, 500),
+}
+
+
+def latency(page, changes: int, grid: int) -> dict[str, list[float]]:
+    """Seconds from each input change to the updated page, ``changes`` of each kind of
+    :data:`TARGETS` (described in :data:`LATENCY_KINDS`); ``grid``: patches per side."""
+    times: dict[str, list[float]] = {kind: [] for kind in TARGETS}
+    open_tab(page, "Test image")
+    show_test_image(page, 0)  # the first change loads fonts and warms the model
+    box = page.locator("#test-index input")
+    for i in range(1, changes + 1):
+        times["image"].append(
+            timed(lambda i=i: box.fill(str(i)), lambda i=i: wait_for_summary(page, f"image {i} "))
+        )
+    head = page.locator("#heads-layer-0 label", has_text="head 1")
+    for _ in range(changes):
+        old = picture(page, "model-view")
+        times["head"].append(
+            timed(head.click, lambda old=old: wait_for_picture(page, "model-view", old))
+        )
+    seen = page.locator("#seen img")
+    size = seen.bounding_box()
+    for i in range(changes):
+        r, c = divmod(5 * (i + 1) % grid**2, grid)  # each click another patch
+        at = {"x": size["width"] * (c + 0.5) / grid, "y": size["height"] * (r + 0.5) / grid}
+        old = picture(page, "query-view")
+        times["patch"].append(
+            timed(
+                lambda at=at: seen.click(position=at),
+                lambda old=old: wait_for_picture(page, "query-view", old),
+            )
+        )
+    open_tab(page, "Draw")
+    for i in range(changes):
+        if i:  # the last drawing's panels emptied
+            page.get_by_role("button", name="Clear canvas").click()
+            page.wait_for_function("() => !document.querySelector('#model-view img')")
+        old = picture(page, "model-view")
+        # A line at its own angle, drawn before the clock starts.
+        canvas = page.locator("#sketch canvas").first.bounding_box()
+        x0, x1 = 0.3, 0.3 + 0.4 * i / max(1, changes - 1)
+        page.mouse.move(canvas["x"] + x0 * canvas["width"], canvas["y"] + 0.2 * canvas["height"])
+        page.mouse.down()
+        page.mouse.move(
+            canvas["x"] + x1 * canvas["width"], canvas["y"] + 0.8 * canvas["height"], steps=10
+        )
+        times["stroke"].append(
+            timed(page.mouse.up, lambda old=old: wait_for_picture(page, "model-view", old))
+        )
     return times
 
 
@@ -144,12 +251,13 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # as scripts/explore.py runs
     load_before = os.getloadavg()[0]
-    with running_explorer(args.ckpt) as (_, url), chromium_page() as page:
+    with running_explorer(args.ckpt) as (explorer, url, _), chromium_page() as page:
         page.goto(url)
-        open_test_tab(page)
-        show_test_image(page, 0)  # the first change loads fonts and warms the model
-        times = latency(page, list(range(1, args.changes + 1)))
-        # The picture: a digit with one head switched off, its query patch chosen.
+        wait_for_summary(page, "example 0")
+        times = latency(page, args.changes, explorer.model.patch_embed.grid_size)
+        # The picture: a test digit with one head switched off, a patch queried, a head's
+        # attention matrix shown.
+        open_tab(page, "Test image")
         show_test_image(page, 0)
         page.locator("#heads-layer-5 label", has_text="head 1").click()
         wait_for_summary(page, "1 head off")
@@ -158,14 +266,36 @@ def main(argv: list[str] | None = None) -> int:
         page.locator("#seen img").click(
             position={"x": box["width"] * 0.4, "y": box["height"] * 0.5}
         )
-        page.wait_for_timeout(2000)  # the query view's and the other pictures' loading
+        page.locator("#matrix-head input").click()
+        page.get_by_role("option", name="head 1").click()
+        wait_for_picture(page, "matrix", "")
+        page.wait_for_timeout(2000)  # the other pictures' loading
         png = page.screenshot(full_page=True)
     load_after = os.getloadavg()[0]
     atomic_write_bytes(Path(args.shot), png)
     import gradio
 
-    ms = sorted(1000 * t for t in times)
-    median = statistics.median(ms)
+    rows = []
+    for kind, (median_bound, worst_bound) in TARGETS.items():
+        ms = sorted(1000 * t for t in times[kind])
+        median = statistics.median(ms)
+        bound = (
+            f"median under {median_bound}, worst under {worst_bound}"
+            if median_bound and median_bound != worst_bound
+            else f"all under {worst_bound}"
+            if worst_bound
+            else "-"
+        )
+        met = (
+            "-"
+            if not worst_bound
+            else "yes"
+            if median < median_bound and ms[-1] < worst_bound
+            else "no"
+        )
+        rows.append(f"| {kind} | {len(ms)} | {median:.0f} | {ms[-1]:.0f} | {bound} | {met} |")
+        print(f"{kind}: median {median:.0f} ms, worst {ms[-1]:.0f} ms over {len(ms)} changes")
+    table = "\n".join(rows)
     text = f"""# The attention explorer: latency
 
 `python scripts/explorer_browser.py {args.ckpt} --shot {args.shot} --report {args.report}`
@@ -175,19 +305,14 @@ that were running at the time: load average {load_before:.1f} before, {load_afte
 torch {torch.__version__}, Gradio {gradio.__version__}, Python {platform.python_version()},
 headless Chromium on the same machine. {args.caption}
 
-Each of {len(ms)} input changes types a new test image index into the page; the time runs
-from the key press to the updated page: the summary line names the new image and the model
-view's picture (every layer x head) has loaded. Every change recomputes the prediction, all
-maps, the rollout and the class relevance (one forward and one backward pass).
+{LATENCY_KINDS}
 
-| input changes | median (ms) | fastest (ms) | slowest (ms) | under 300 ms |
-| --- | --- | --- | --- | --- |
-| {len(ms)} | {median:.0f} | {ms[0]:.0f} | {ms[-1]:.0f} | {sum(m < 300 for m in ms)} of {len(ms)} |
-
-All times (ms, sorted): {", ".join(f"{m:.0f}" for m in ms)}.
+| input change | changes | median (ms) | worst (ms) | asked (ms) | met |
+| --- | --- | --- | --- | --- | --- |
+{table}
 """
     atomic_write_bytes(Path(args.report), text.encode())
-    print(f"median {median:.0f} ms over {len(ms)} changes; {args.shot}, {args.report}")
+    print(f"{args.shot}, {args.report}")
     return 0
 
 

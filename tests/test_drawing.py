@@ -122,3 +122,35 @@ def test_captioned_grid_holds_exactly_n_tiles_under_their_captions():
     for top, bottom in tile_rows:
         assert not ink(picture)[top : bottom + 1].any()
         assert ink(picture)[top - 12 : top].any()  # the captions
+
+
+def test_attention_matrix_names_every_token_beside_its_row_and_above_its_column():
+    labels = ["CLS"] + [f"{r},{c}" for r in range(4) for c in range(4)]
+    weights = torch.rand(17, 17, generator=torch.Generator().manual_seed(0))
+    picture = drawing.attention_matrix(weights, labels, cell=20)
+    height, width = picture.shape[1:]
+    left, top = width - 17 * 20, height - 17 * 20
+    cells = (drawing.colorize(weights[None])[0] * 255).round().to(torch.uint8)
+    assert torch.equal(
+        picture[:, top:, left:], cells.repeat_interleave(20, 1).repeat_interleave(20, 2)
+    )
+    dark = ink(picture)
+    for i in range(17):
+        assert dark[top + i * 20 : top + (i + 1) * 20, :left].any(), f"row {i} has no name"
+        assert dark[:top, left + i * 20 : left + (i + 1) * 20].any(), f"column {i} has no name"
+    # Cells narrower than a line of text: every other token is named, none overlap.
+    small = drawing.attention_matrix(weights, labels, cell=6)
+    colour = (small.max(dim=0).values - small.min(dim=0).values) > 0  # cells, not text
+    top, left = int(colour.any(dim=1).nonzero()[0]), int(colour.any(dim=0).nonzero()[0])
+    assert len(runs(ink(small)[top:, :left].any(dim=1))) == 9  # lines of text beside rows
+
+
+def test_a_colour_bar_says_what_its_ends_are():
+    picture = torch.full((3, 50, 200), 128, dtype=torch.uint8)
+    out = drawing.with_colour_bar(picture, low="0", high="0.87", caption="attention weight")
+    assert torch.equal(out[:, :50, :200], picture)
+    below = out[:, 50:]
+    first, last = drawing.colorize(torch.tensor([[[0.0, 1.0]]]))[0, :, 0].T.mul(255).round()
+    rows = [r for r in range(below.shape[1]) if (below[:, r, 0] == first).all()]
+    assert rows and (below[:, rows[0], 199] == last).all()
+    assert ink(below[:, : rows[0]]).any() and ink(below[:, rows[-1] + 1 :]).any()  # the words

@@ -5,15 +5,25 @@ inputs and settings. The page in a real browser: tests/test_explorer_browser.py.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
+import socket
+import threading
+import time
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
+from matplotlib import colormaps
 from omegaconf import OmegaConf
+from PIL import Image, ImageFile
 
 from tests.conftest import ROOT, compose_config
 from tests.test_predict import draw_digit
+from vit_mnist import explorer as explorer_module
 from vit_mnist.analysis.attention import attention_report, cls_attention
 from vit_mnist.analysis.heads import heads_switched_off, heads_zeroed
 from vit_mnist.analysis.pruning import prune_heads
@@ -78,6 +88,20 @@ def explorer(tiny_ckpt, tmp_path_factory) -> Explorer:
     return load_explorer(explore_cfg(tmp_path_factory.mktemp("x"), f"ckpt_path={tiny_ckpt}"))
 
 
+@pytest.fixture(scope="module")
+def page(explorer):
+    """The page of ``explorer``, built, not launched."""
+    pytest.importorskip("gradio", reason="the explorer's page needs Gradio (extra explore)")
+    from vit_mnist.explorer import build_page
+
+    return build_page(explorer)
+
+
+def components(page, kind: str) -> list:
+    """The page's components of Gradio class ``kind`` (``"Image"``, ...)."""
+    return [b for b in page.blocks.values() if type(b).__name__ == kind]
+
+
 def an_image(explorer: Explorer) -> torch.Tensor:
     return explorer.from_test(3)[0]
 
@@ -116,7 +140,7 @@ def test_the_model_view_is_attention_reports_weights(explorer):
     torch.testing.assert_close(e.token_maps(2, 6), report.weights[2][0, :, 6, 1:].reshape(4, 4, 4))
     assert view.seen.shape == (224, 224, 3) and view.seen.dtype.name == "uint8"
     assert view.model_view.shape[0] > 3 * 112 and view.model_view.shape[2] == 3
-    assert view.matrix is not None and view.matrix.shape[0] == view.matrix.shape[1] >= 17 * 2
+    assert view.matrix is not None and view.matrix.shape[1] >= 17 * 6
     assert explorer.view(x).matrix is None
     assert list(view.top) == [explorer.class_names[int(c)] for c in e.probs.topk(3).indices]
 
@@ -230,3 +254,222 @@ def test_settings_and_errors(tmp_path, tiny_ckpt, capsys):
     with pytest.raises(SystemExit) as e:
         main(explore_cfg(tmp_path, f"ckpt_path={tiny_ckpt}", f"heads_csv={tmp_path / 'h.csv'}"))
     assert e.value.code == 2 and "h.csv cannot be read" in capsys.readouterr().err
+
+
+def test_two_sessions_at_once_do_not_see_each_others_heads(explorer):
+    """Session A switches every head off while session B, at the same moment, asks for
+    the same image with every head on: B must get the all-heads-on answer. A is held in
+    the middle of its computation (a test hook on the classifier, the last layer) until B
+    has finished, so B runs exactly while A's heads are off."""
+    model, x = explorer.model, an_image(explorer)
+    everything = [(layer, h) for layer in range(3) for h in range(4)]
+    alone_a = explorer.view(x, heads_off=everything).explanation
+    alone_b = explorer.view(x).explanation
+    a_held, b_done = threading.Event(), threading.Event()
+    results, left_on_model = {}, []
+
+    def hold_a(module, inputs):
+        if threading.current_thread().name == "A" and not a_held.is_set():
+            # What A leaves on the shared model while it waits: hooks, a training flag.
+            left_on_model.extend(
+                m for m in model.modules() if m._forward_pre_hooks and m is not module
+            )
+            left_on_model.extend(m for m in model.modules() if m._forward_hooks or m.training)
+            a_held.set()
+            b_done.wait(timeout=30)
+
+    def session(name, heads_off):
+        try:
+            results[name] = explorer.view(x, heads_off=heads_off)
+        finally:
+            b_done.set()
+
+    handle = model.head.register_forward_pre_hook(hold_a)
+    try:
+        a = threading.Thread(target=session, args=("A", everything), name="A")
+        a.start()
+        assert a_held.wait(timeout=30)
+        b = threading.Thread(target=session, args=("B", []), name="B")
+        b.start()
+        b.join(timeout=60)
+        a.join(timeout=60)
+    finally:
+        handle.remove()
+    assert set(results) == {"A", "B"} and not left_on_model
+    torch.testing.assert_close(results["B"].explanation.logits, alone_b.logits)
+    torch.testing.assert_close(results["B"].explanation.relevance, alone_b.relevance)
+    assert "off" not in results["B"].summary
+    torch.testing.assert_close(results["A"].explanation.logits, alone_a.logits)
+
+
+def test_one_pass_of_the_model_per_input(explorer):
+    """An input runs the model once, with the heads off and every head on in one batch;
+    a new query patch, layer or matrix head, and the colour scale, redraw without it."""
+    model, x = explorer.model, an_image(explorer)
+    batches = []
+    handle = model.blocks[0].register_forward_pre_hook(lambda m, i: batches.append(len(i[0])))
+    try:
+        e = explorer.explain(x, heads_off=[(1, 2)])
+        assert batches == [2]
+        batches.clear()
+        explorer.view(x, heads_off=[(1, 2)], token=6, shared=True, explanation=e)
+        explorer.query(e, x, layer=2, token=7, matrix_head=1)
+        assert batches == []
+    finally:
+        handle.remove()
+
+
+INFERNO_ENDS = (colormaps["inferno"]([0.0, 1.0])[:, :3] * 255).round().astype(np.uint8)
+CROSS_RED = np.array([204, 26, 26], dtype=np.uint8)  # drawing.crossed_out's red
+
+
+def has_colour_bar(picture: np.ndarray) -> bool:
+    """A row that starts with the colour map's first colour and holds its last one."""
+    first, last = INFERNO_ENDS
+    return any((row[0] == first).all() and (row == last).all(-1).any() for row in picture)
+
+
+def test_pictures_explain_themselves(explorer, page):
+    x = an_image(explorer)
+    view = explorer.view(x, heads_off=[(1, 2)], layer=1, matrix_head=0)
+    for name in ("model_view", "query_view", "matrix", "rollout", "relevance"):
+        assert has_colour_bar(getattr(view, name)), f"{name}: no colour bar"
+    # A switched-off head is crossed out, in the model view and in its layer's query view.
+    assert (view.model_view == CROSS_RED).all(-1).sum() > 100
+    assert (view.query_view == CROSS_RED).all(-1).sum() > 100
+    assert not (explorer.view(x).model_view == CROSS_RED).all(-1).any()
+    # One scale for a whole panel, from 0 to its largest value, on request.
+    shared = explorer.view(x, heads_off=[(1, 2)], layer=1, matrix_head=0, shared=True)
+    assert not np.array_equal(shared.model_view, view.model_view)
+    radio = components(page, "Radio")
+    assert [c[1] for c in radio[0].choices] == ["each map", "shared"]
+    notes = " ".join(str(m.value) for m in components(page, "Markdown"))
+    assert "its own minimum and maximum" in notes and "from 0 to the panel's largest" in notes
+    # Titles above the pictures (Gradio's label covers a picture's top left corner), and
+    # a text for screen readers.
+    pictures = components(page, "Image")
+    assert len(pictures) == 6
+    assert all(not p.show_label and len(p.alt_text or "") > 30 for p in pictures)
+
+
+def test_nothing_on_the_page_misleads_or_fetches(explorer, page, monkeypatch):
+    import gradio
+    from gradio import processing_utils
+
+    (gallery,) = components(page, "Gallery")
+    assert gallery.interactive is False  # not cleared, deleted from or uploaded to
+    for kind in ("Image", "Gallery", "Sketchpad"):
+        for component in components(page, kind):
+            assert component.buttons is not None and "share" not in component.buttons
+    assert page.delete_cache  # the files of uploads and drawings; tested in the browser
+    # A change made while the last one is computed is shown after it; Gradio's default for
+    # these events drops it, and the panels then disagree with the controls.
+    updates = [f for f in page.fns.values() if f.fn is not None and f.name != "save_view"]
+    assert len(updates) > 10 and {f.trigger_mode for f in updates} == {"always_last"}
+    # A URL given as a file (an API request can) is refused, never fetched.
+    fetched = []
+
+    async def download(url, cache_dir):
+        fetched.append(url)
+        return str(Path(cache_dir) / "7.png")
+
+    monkeypatch.setattr(processing_utils, "async_ssrf_protected_download", download)
+    for kind in ("File", "Sketchpad"):
+        (component,) = components(page, kind)
+        with pytest.raises(gradio.Error, match="uploads only"):
+            asyncio.run(component.async_move_resource_to_block_cache("http://example.com/7.png"))
+    assert fetched == []
+
+
+def test_refused_inputs_are_said_in_the_users_words(explorer, page, tmp_path, monkeypatch):
+    fake = tmp_path / "fake.png"
+    fake.write_text("not an image")
+    with pytest.raises(ValueError) as error:
+        explorer.from_file(fake)
+    said = str(error.value)
+    assert said.startswith("fake.png cannot be read as an image")
+    assert str(tmp_path) not in said and "Error" not in said
+    # The pixel count is checked on the header, before anything is decoded.
+    big = tmp_path / "big.png"
+    Image.new("L", (300, 300), 255).save(big)
+    decoded = []
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda image: decoded.append(image))
+    small = dataclasses.replace(explorer, max_megapixels=0.05)
+    with pytest.raises(ValueError, match=r"big.png has 300 x 300 pixels .* at most 0.05 mega"):
+        small.from_file(big)
+    assert decoded == []
+    # An index out of range typed on the page reaches Explorer.from_test, which says the
+    # range as a warning on the page; Gradio's own range check ends in a traceback.
+    (number,) = components(page, "Number")
+    assert number.preprocess(70_000) == 70_000
+
+
+def test_an_address_the_page_cannot_have_is_one_line(tmp_path, tiny_ckpt, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for setting, said in (
+            (f"server_port={port}", f"server_port={port} is taken by another program"),
+            ("server_name=8.8.8.8", "server_name=8.8.8.8 (8.8.8.8) is not an address of this"),
+            ("server_name=no-such-host.invalid", "server_name=no-such-host.invalid does not"),
+            ("server_name='::1'", "server_name=::1: an IPv6 address"),
+        ):
+            start = time.perf_counter()
+            with pytest.raises(SystemExit) as e:
+                main(explore_cfg(tmp_path, f"ckpt_path={tiny_ckpt}", setting))
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and err.count("\n") == 1 and said in err, err
+            assert time.perf_counter() - start < 10
+
+
+def test_an_address_open_to_the_network_is_warned_about(tmp_path, tiny_ckpt, monkeypatch, caplog):
+    class Served:  # the page, served and stopped at once
+        def block_thread(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(explorer_module, "build_page", lambda explorer: Served())
+    monkeypatch.setattr(explorer_module, "launch", lambda page, **kw: "http://localhost:7860/")
+    for name, warned in (("0.0.0.0", True), ("127.0.0.1", False)):
+        caplog.clear()
+        main(explore_cfg(tmp_path, f"ckpt_path={tiny_ckpt}", f"server_name={name}"))
+        assert ("open to every machine that can reach this one" in caplog.text) == warned
+
+
+def test_save_this_view_writes_every_panel_and_its_settings(explorer, tmp_path):
+    saving = dataclasses.replace(explorer, run_dir=tmp_path)
+    x = an_image(explorer)
+    chosen = {
+        "heads_off": [(1, 2)],
+        "target": 3,
+        "layer": 2,
+        "token": 6,
+        "matrix_head": 1,
+        "shared": True,
+    }
+    view = saving.view(x, source="test image 3", **chosen)
+    path = saving.save(view, x)
+    assert path == tmp_path / "views" / "view-001.png"
+    assert saving.save(view, x).name == "view-002.png"
+    with Image.open(path) as picture:
+        assert picture.height > sum(
+            getattr(view, n).shape[0] for n in ("model_view", "query_view", "matrix")
+        )
+    settings = json.loads(path.with_suffix(".json").read_text())
+    assert settings["ckpt_path"] == explorer.title and settings["heads_off"] == ["1:2"]
+    assert settings["colour_scale"] == "shared" and settings["source"] == "test image 3"
+    # The settings reproduce the view, a drawing too (its pixels are saved).
+    pixels = torch.tensor(settings["input_pixels"])[None]
+    again = explorer.view(
+        explorer.from_pixels(pixels),
+        heads_off=[tuple(map(int, h.split(":"))) for h in settings["heads_off"]],
+        target=settings["target"],
+        layer=settings["layer"],
+        token=settings["token"],
+        matrix_head=settings["matrix_head"],
+        shared=settings["colour_scale"] == "shared",
+    )
+    torch.testing.assert_close(again.explanation.logits, view.explanation.logits, atol=1e-3, rtol=0)

@@ -3,13 +3,17 @@ Playwright, on the loopback address. Skipped, with the reason, where either is m
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from scripts.explorer_browser import (
     browser_missing,
     chromium_page,
+    open_tab,
     running_explorer,
+    stroke,
     wait_for_summary,
 )
 from tests.test_explorer import save_ckpt, tiny_module
@@ -23,26 +27,29 @@ pytestmark = [
 ]
 
 
-def test_upload_predict_and_switch_a_head_off(tmp_path):
+def test_draw_clear_upload_and_switch_a_head_off(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as scripts/explore.py runs
     ckpt = save_ckpt(tmp_path / "tiny.ckpt", tiny_module())
     digit = draw_digit(tmp_path / "digit.png", seed=3)
     try:
-        with running_explorer(ckpt) as (explorer, url), chromium_page() as page:
+        with running_explorer(ckpt) as (explorer, url, served), chromium_page() as page:
             assert url.startswith("http://127.0.0.1:")
             page.goto(url)
-            # Draw tab: with the brush picked (the canvas asks for it), a stroke reaches
-            # the model as a drawing.
-            page.get_by_role("button", name="Brush").click()
-            box = page.locator("canvas").first.bounding_box()
-            x0, y0 = box["x"] + box["width"] / 2, box["y"] + box["height"] * 0.2
-            page.mouse.move(x0, y0)
-            page.mouse.down()
-            page.mouse.move(x0, y0 + box["height"] * 0.6, steps=20)
-            page.mouse.up()
+            wait_for_summary(page, "example 0")
+            # Draw tab: the brush is ready as the page opens, as in Gradio's sketchpad
+            # demos; a stroke reaches the model as a drawing.
+            stroke(page, (0.5, 0.2), (0.5, 0.8))
             assert "predicted: " in wait_for_summary(page, "drawing: ")
-            page.get_by_role("tab", name="Upload").click()
+            # Clearing the canvas clears the panels, and the brush is ready again.
+            page.get_by_role("button", name="Clear canvas").click()
+            page.wait_for_function(
+                "() => !document.querySelector('#summary').innerText.trim()"
+                " && !document.querySelector('#model-view img')"
+            )
+            stroke(page, (0.3, 0.3), (0.7, 0.7))
+            assert "predicted: " in wait_for_summary(page, "drawing: ")
+            open_tab(page, "Upload")
             page.set_input_files("#upload input[type=file]", str(digit))
             text = wait_for_summary(page, "digit.png")
             x = explorer.from_file(digit)
@@ -54,5 +61,12 @@ def test_upload_predict_and_switch_a_head_off(tmp_path):
             off = explorer.view(x, heads_off=[(1, 2)]).explanation
             assert f"-> {100 * float(off.probs[off.base_probs.argmax()]):.1f}%" in text, text
             assert page.locator("#model-view img").get_attribute("src") != picture
+            made = {Path(f) for files in served.temp_file_sets for f in files}
+            # Gradio keeps the pictures the page is built with (the examples): the same
+            # files at every start.
+            made -= {Path(f) for b in served.blocks.values() for f in b.keep_in_cache}
+        # The upload, the drawings and the pictures sent are deleted once the page closes.
+        assert any(f.name == "digit.png" for f in made)
+        assert [f for f in made if f.exists()] == []
     finally:
         torch.set_num_threads(threads)

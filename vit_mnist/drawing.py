@@ -20,17 +20,28 @@ def _colormap(name: str) -> torch.Tensor:
     return torch.from_numpy(colormaps[name](np.linspace(0, 1, 256))[:, :3]).float()
 
 
-def _unit(x: torch.Tensor) -> torch.Tensor:
-    """Min-max scale each leading item of (N, ...) to [0, 1]."""
+def _unit(x: torch.Tensor, low: float | None = None, high: float | None = None) -> torch.Tensor:
+    """Scale (N, ...) to [0, 1]: each leading item from its own minimum to its own maximum,
+    or, given ``low`` and ``high``, every item from ``low`` to ``high`` (clipped)."""
     flat = x.flatten(1)
-    lo, hi = flat.min(dim=1).values, flat.max(dim=1).values
+    if low is None or high is None:
+        lo, hi = flat.min(dim=1).values, flat.max(dim=1).values
+    else:
+        lo, hi = torch.full((len(flat),), float(low)), torch.full((len(flat),), float(high))
     scale = (hi - lo).clamp_min(1e-12)
-    return ((flat - lo[:, None]) / scale[:, None]).view_as(x)
+    return ((flat - lo[:, None]) / scale[:, None]).clamp(0, 1).view_as(x)
 
 
-def colorize(values: torch.Tensor, cmap: str = "inferno") -> torch.Tensor:
-    """Map (N, H, W) values to (N, 3, H, W) RGB in [0, 1], each item scaled to its own range."""
-    idx = (_unit(values.float()) * 255).round().long()
+def colorize(
+    values: torch.Tensor,
+    cmap: str = "inferno",
+    *,
+    low: float | None = None,
+    high: float | None = None,
+) -> torch.Tensor:
+    """Map (N, H, W) values to (N, 3, H, W) RGB in [0, 1]: each item scaled to its own range,
+    or all from ``low`` (the colour map's first colour) to ``high`` (its last) when given."""
+    idx = (_unit(values.float(), low, high) * 255).round().long()
     return rearrange(_colormap(cmap)[idx.cpu()], "n h w c -> n c h w")
 
 
@@ -44,7 +55,13 @@ def diverging(values: torch.Tensor, limit: float, cmap: str = "RdBu_r") -> torch
 
 
 def overlay(
-    images: torch.Tensor, maps: torch.Tensor, alpha: float = 0.6, cmap: str = "inferno"
+    images: torch.Tensor,
+    maps: torch.Tensor,
+    alpha: float = 0.6,
+    cmap: str = "inferno",
+    *,
+    low: float | None = None,
+    high: float | None = None,
 ) -> torch.Tensor:
     """Overlay attention maps in colour on grey images.
 
@@ -52,13 +69,29 @@ def overlay(
         images: (N, 1, H, W) float, any normalisation (each is min-max scaled).
         maps: (N, g, g) attention over the patch grid; upsampled bilinearly to H x W.
         alpha: weight of the colour.
+        low, high: the values of the colour map's ends, shared by every map; None: each
+            map from its own minimum to its own maximum.
 
     Returns:
         (N, 3, H, W) float in [0, 1].
     """
     h, w = images.shape[-2:]
     up = F.interpolate(maps[:, None].float(), size=(h, w), mode="bilinear", align_corners=False)
-    return (1 - alpha) * grey(images) + alpha * colorize(up[:, 0].cpu(), cmap)
+    colours = colorize(up[:, 0].cpu(), cmap, low=low, high=high)
+    return (1 - alpha) * grey(images) + alpha * colours
+
+
+def crossed_out(images: torch.Tensor, width: int = 2) -> torch.Tensor:
+    """(N, 1, H, W) images of any normalisation -> (N, 3, H, W) in [0, 1]: the image faded
+    and crossed corner to corner in red, for a map that is not in use (a head switched
+    off)."""
+    faded = 0.7 + 0.3 * grey(images)
+    h, w = faded.shape[-2:]
+    rows = torch.arange(h)[:, None] * (w / h)
+    cols = torch.arange(w)[None, :]
+    cross = ((rows - cols).abs() < width) | ((rows + cols - (w - 1)).abs() < width)
+    red = torch.tensor([0.8, 0.1, 0.1])[:, None, None]
+    return torch.where(cross, red, faded)
 
 
 # ----------------------------------------------------------------------------- text
@@ -294,12 +327,20 @@ def _glyph(font: _Font, char: str) -> tuple[Image.Image, int]:
 def _fast_text(font: _Font, canvas: Image.Image, xy: tuple[int, int], text: str) -> None:
     """Draw ``text`` in black from cached glyphs (no kerning): a page redrawn at every
     input change sets the same few characters over and over, and FreeType's rendering of
-    each string costs milliseconds."""
-    x, y = xy
+    each string costs milliseconds. Lines seen before are pasted whole."""
+    canvas.paste((0, 0, 0), xy, _line(font, text))
+
+
+@lru_cache(maxsize=2048)
+def _line(font: _Font, text: str) -> Image.Image:
+    """``text`` as a mask one line box high, from cached glyphs."""
+    mask = Image.new("L", (max(1, _fast_width(font, text) + 2), font.line_height))
+    x = 0
     for char in text:
-        mask, advance = _glyph(font, char)
-        canvas.paste((0, 0, 0), (x, y), mask)
+        glyph, advance = _glyph(font, char)
+        mask.paste(255, (x, 0), glyph)
         x += advance
+    return mask
 
 
 def _fast_width(font: _Font, text: str) -> int:
@@ -417,3 +458,149 @@ def heatmap_panels(
     fig.suptitle(title, fontsize=9)
     fig.colorbar(image, ax=axes, label=colorbar_label, shrink=0.8, extend="both")
     return fig
+
+
+def _stack(pictures: Sequence[Image.Image], pad: int) -> Image.Image:
+    """Pictures one under the other, left-aligned on white, ``pad`` px apart."""
+    width = max(p.width for p in pictures)
+    height = sum(p.height for p in pictures) + pad * (len(pictures) - 1)
+    canvas = Image.new("RGB", (width, height), "white")
+    y = 0
+    for p in pictures:
+        canvas.paste(p, (0, y))
+        y += p.height + pad
+    return canvas
+
+
+@lru_cache(maxsize=256)
+def _colour_bar(
+    width: int, low: str, high: str, caption: str, cmap: str, font: _Font
+) -> np.ndarray:
+    """A horizontal colour bar ``width`` px wide under ``caption``: the colour map from left
+    to right, ``low`` under its left end and ``high`` under its right end; (h, width, 3)
+    uint8, read-only (cached)."""
+    pad = max(2, font.cap_height // 2)
+    lines: list[str] = []
+    for word in caption.split():  # as _Font.wrap, measured from the glyph cache
+        if lines and _fast_width(font, f"{lines[-1]} {word}") <= width:
+            lines[-1] = f"{lines[-1]} {word}"
+        else:
+            lines.append(word)
+    bar_top = len(lines) * font.line_height + pad
+    bar_h = 2 * font.line_height // 3
+    colours = _colormap(cmap)[torch.linspace(0, 255, width).round().long()]  # (width, 3)
+    strip = (colours[None].expand(bar_h, -1, -1).numpy() * 255).round().astype(np.uint8)
+    canvas = Image.new("RGB", (width, bar_top + bar_h + pad + font.line_height), "white")
+    for i, line in enumerate(lines):
+        _fast_text(font, canvas, (0, i * font.line_height), line)
+    canvas.paste(Image.fromarray(strip), (0, bar_top))
+    y = bar_top + bar_h + pad
+    _fast_text(font, canvas, (0, y), low)
+    _fast_text(font, canvas, (width - _fast_width(font, high), y), high)
+    bar = np.asarray(canvas)
+    bar.flags.writeable = False
+    return bar
+
+
+def with_colour_bar(
+    picture: torch.Tensor,
+    *,
+    low: str,
+    high: str,
+    caption: str,
+    cmap: str = "inferno",
+    width: int | None = None,
+    cap_height: int = 9,
+) -> torch.Tensor:
+    """``picture`` (3, H, W) uint8 with a colour bar under it: the colour map from ``low``
+    (its first colour) to ``high`` (its last), ``caption`` saying what the colours measure.
+
+    Args:
+        width: the bar's width in px; default the picture's (at most 320 px).
+        cap_height: height of a capital letter of the text, in px.
+
+    Returns:
+        (3, H + bar, W') uint8, W' the larger of W and the bar's width.
+    """
+    font = _font(cap_height)
+    bar = torch.from_numpy(
+        _colour_bar(width or min(picture.shape[-1], 320), low, high, caption, cmap, font).copy()
+    ).permute(2, 0, 1)
+    gap = max(2, font.cap_height)
+    out = torch.full(
+        (3, picture.shape[1] + gap + bar.shape[1], max(picture.shape[2], bar.shape[2])),
+        255,
+        dtype=torch.uint8,
+    )
+    out[:, : picture.shape[1], : picture.shape[2]] = picture
+    out[:, picture.shape[1] + gap :, : bar.shape[2]] = bar
+    return out
+
+
+def attention_matrix(
+    weights: torch.Tensor,
+    labels: Sequence[str],
+    *,
+    cell: int = 16,
+    low: float | None = None,
+    high: float | None = None,
+    cmap: str = "inferno",
+    cap_height: int = 8,
+) -> torch.Tensor:
+    """A (T, T) attention matrix as a picture with its tokens named: ``labels[i]`` left of
+    row i (the query) and above column i (the key, set upright). Where the cells are
+    smaller than a line of text, every k-th token is named, so that names do not overlap.
+
+    Args:
+        weights: (T, T) float.
+        labels: T names, e.g. ``CLS``, ``0,0``, ``0,1``, ...
+        cell: the side of one cell, in px.
+        low, high: the values of the colour map's ends; None: the matrix's own range.
+
+    Returns:
+        (3, H, W) uint8; the cells are the square of side ``T * cell`` that ends ``over``
+        px before the right and bottom edges (``over`` > 0 where names are taller than a
+        cell).
+    """
+    tokens = weights.shape[-1]
+    font = _font(cap_height)
+    pad = max(2, font.cap_height // 2)
+    every = max(1, math.ceil(font.line_height / cell))
+    named = range(0, tokens, every)
+    colours = colorize(weights[None].float(), cmap, low=low, high=high)
+    big = F.interpolate(colours, scale_factor=cell, mode="nearest")[0]
+    body = Image.fromarray((big.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
+    # Names taller than a cell stick out past the first and last cells: room for them.
+    over = max(0, (font.line_height - cell) // 2 + 1)
+    left = max(_fast_width(font, labels[i]) for i in named) + 2 * pad + over
+    top = left  # the column names are the row names, set upright
+    canvas = Image.new("RGB", (left + body.width + over, top + body.height + over), "white")
+    canvas.paste(body, (left, top))
+    column = Image.new("RGB", (top, font.line_height), "white")
+    for i in named:
+        middle = i * cell + cell // 2 - font.line_height // 2
+        _fast_text(
+            font, canvas, (left - pad - _fast_width(font, labels[i]), top + middle), labels[i]
+        )
+        column.paste("white", (0, 0, column.width, column.height))
+        _fast_text(font, column, (pad, 0), labels[i])
+        canvas.paste(column.rotate(90, expand=True), (left + middle, 0))
+    return _to_tensor(canvas)
+
+
+def stack_pictures(
+    pictures: Sequence[torch.Tensor], titles: Sequence[str], cap_height: int = 11
+) -> torch.Tensor:
+    """(3, H_i, W_i) uint8 pictures one under the other, each under its title, on white.
+
+    Returns:
+        (3, H, W) uint8.
+    """
+    font = _font(cap_height)
+    pad = max(2, font.cap_height)
+    parts = []
+    for picture, title in zip(pictures, titles, strict=True):
+        heading = Image.new("RGB", (max(1, _fast_width(font, title)), font.line_height), "white")
+        _fast_text(font, heading, (0, 0), title)
+        parts += [heading, Image.fromarray(picture.permute(1, 2, 0).numpy())]
+    return _to_tensor(_stack(parts, pad=pad))

@@ -1,23 +1,31 @@
 """The attention explorer: a local web page (Gradio) on which a person draws, uploads or
 picks a digit and sees every layer and head of a checkpoint's model at once, asks where a
-patch attends, asks why a class and not another, and switches heads off.
+patch attends, asks why a class and not another, switches heads off, and saves the view.
 
 The page only lays out and calls: every number and map comes from
-:func:`vit_mnist.analysis.explain.explain_image`, which calls the functions TensorBoard,
-``predict.py`` and ``eval.py analysis=heads`` use; the preprocessing of a drawn or
-uploaded image is ``predict.py``'s :func:`~vit_mnist.predict.mnist_preprocess`.
+:func:`vit_mnist.analysis.explain.explain_image` (one forward and backward pass per input,
+the heads switched off given as an argument, so sessions never see each other's), which
+calls the functions TensorBoard, ``predict.py`` and ``eval.py analysis=heads`` use; the
+preprocessing of a drawn or uploaded image is ``predict.py``'s
+:func:`~vit_mnist.predict.mnist_preprocess`; the pictures are :mod:`vit_mnist.drawing`'s.
 
-Safe by default: bound to 127.0.0.1 unless ``server_name`` says otherwise, Gradio's
-telemetry off, uploads limited to ``max_upload_mb`` and read by this module with
-``predict.py``'s guards, and no file served but the pictures the page makes.
+Safe by default: bound to 127.0.0.1 unless ``server_name`` says otherwise (then a warning),
+Gradio's telemetry off, uploads limited to ``max_upload_mb`` and ``max_upload_megapixels``
+and read by this module with ``predict.py``'s guards, files taken as uploads only (never
+fetched from a URL), uploads and drawings deleted when the page stops, and no file served
+but the pictures the page makes.
 """
 
 from __future__ import annotations
 
 import csv
+import errno
+import ipaddress
+import json
 import logging
 import os
-from collections.abc import Sequence
+import socket
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,8 +40,23 @@ from vit_mnist.analysis.explain import ImageExplanation, explain_image
 from vit_mnist.analysis.roles import ROLE_COLUMNS
 from vit_mnist.callbacks.attention_maps import panel_indices
 from vit_mnist.checkpointing import checkpoint_datamodule, read_checkpoint, resolve_ckpt_path
-from vit_mnist.drawing import colorize, grey, overlay, tile_table
-from vit_mnist.errors import CheckpointError, ConfigError, DataError, exit_on_user_error
+from vit_mnist.drawing import (
+    attention_matrix,
+    crossed_out,
+    grey,
+    overlay,
+    stack_pictures,
+    tile_table,
+    with_colour_bar,
+)
+from vit_mnist.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    WriteError,
+    exit_on_user_error,
+)
+from vit_mnist.io import atomic_write_bytes, save_png
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.module import RUN_INFO_KEY
 from vit_mnist.predict import IMAGE_SUFFIXES, UNREADABLE, load_model, mnist_preprocess
@@ -42,9 +65,32 @@ from vit_mnist.settings import ExploreSettings, check_settings
 log = logging.getLogger(__name__)
 
 ZOOM = 8  # screen pixels per image pixel of the 28 x 28 input and the explanation maps
+MODEL_VIEW_ZOOM = 3  # and of each tile of the model view (6 x 4 tiles of 84 px)
+MATRIX_SIDE = 340  # px: the attention matrix's cells at most this wide together
 TOP_K = 3  # classes in the prediction panel
+# The colour scale's choices; the first is the default.
+SCALES = ("each map", "shared")
+SCALE_NOTE = (
+    "**Colours** run from the colour bar's left end (dark) to its right end (bright). With "
+    "*each map*, every map is scaled to its own minimum and maximum, so a head that "
+    "attends almost evenly looks as vivid as a sharp one; with *shared*, all maps of a "
+    "panel share one scale from 0 to the panel's largest value."
+)
+# Clicks the Draw tab's brush once the editor is there: Gradio's editor starts, and starts
+# again after "Clear canvas", with no tool chosen, and asks for one.
+PICK_BRUSH = """() => {
+    const pick = () => {
+        const brush = document.querySelector('#sketch button[aria-label="Brush"]');
+        brush ? brush.click() : setTimeout(pick, 100);
+    };
+    pick();
+}"""
+# Uploads, drawings and the pictures sent to the browser live in Gradio's cache folder;
+# Gradio deletes those older than this every as many seconds, and all when the page closes.
+CACHE_MAX_AGE_S = 3600
 LAUNCH_TRIES = 3
 PREDICTED = -1  # the explanation dropdown's value for "the predicted class"
+DRAWING = "drawing"  # the source of an image drawn on the page
 # The columns of eval.py's head_importance.csv (analysis=heads) that the head table shows,
 # in this order; and those of its roles.csv (analysis=roles).
 HEAD_TABLE_COLUMNS = (
@@ -117,7 +163,8 @@ def read_head_table(path: str | Path) -> tuple[list[str], list[list[Any]]]:
 @dataclass
 class View:
     """What the page shows for one image and one choice of controls: pictures as
-    (height, width, 3) uint8 arrays, texts, and the numbers they were drawn from."""
+    (height, width, 3) uint8 arrays, texts, the numbers they were drawn from, and the
+    settings that reproduce them."""
 
     explanation: ImageExplanation
     top: dict[str, float]
@@ -128,13 +175,19 @@ class View:
     matrix: np.ndarray | None
     rollout: np.ndarray
     relevance: np.ndarray
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 def _array(picture: torch.Tensor) -> np.ndarray:
     """(3, H, W) uint8 or float in [0, 1] -> (H, W, 3) uint8, as Gradio shows it."""
     if picture.dtype != torch.uint8:
-        picture = (picture.clamp(0, 1) * 255).round().to(torch.uint8)
+        picture = _tensor(picture)
     return picture.permute(1, 2, 0).contiguous().numpy()
+
+
+def _tensor(picture: torch.Tensor) -> torch.Tensor:
+    """(3, H, W) float in [0, 1] -> uint8."""
+    return (picture.clamp(0, 1) * 255).round().to(torch.uint8)
 
 
 def _zoomed(picture: torch.Tensor, zoom: int = ZOOM) -> torch.Tensor:
@@ -142,10 +195,34 @@ def _zoomed(picture: torch.Tensor, zoom: int = ZOOM) -> torch.Tensor:
     return F.interpolate(picture.float(), scale_factor=zoom, mode="nearest")
 
 
+def colour_range(maps: Sequence[torch.Tensor], shared: bool) -> tuple[float | None, float | None]:
+    """The values at the colour map's ends for a panel of ``maps``: shared, 0 and the
+    largest value of any of them; else None, None: each map from its own minimum to its own
+    maximum."""
+    if not shared:
+        return None, None
+    return 0.0, max(float(m.max()) for m in maps)
+
+
+def _bar(
+    picture: torch.Tensor,
+    maps: Sequence[torch.Tensor],
+    low: float | None,
+    high: float | None,
+    caption: str,
+) -> np.ndarray:
+    """``picture`` with the colour bar of its ``maps`` under it, as Gradio shows it."""
+    if low is None and len(maps) == 1:  # one map scaled to itself: its own range
+        low, high = float(maps[0].min()), float(maps[0].max())
+    ends = ("each map's min", "its max") if low is None else (f"{low:.3g}", f"{high:.3g}")
+    return _array(with_colour_bar(picture, low=ends[0], high=ends[1], caption=caption))
+
+
 @dataclass
 class Explorer:
     """A checkpoint's model and what the page needs around it; the page's callbacks call
-    :meth:`view` and the ``from_*`` readers, so tests can call them without a browser.
+    :meth:`view`, :meth:`query` and the ``from_*`` readers, so tests can call them without a
+    browser. Nothing here changes once the page is built: sessions share it.
 
     Attributes:
         model: the network, in eval mode, on the CPU.
@@ -157,6 +234,8 @@ class Explorer:
         test_set: the test split (``dataset[i] -> (image, label)``), or None.
         head_table: :func:`read_head_table`'s headers and rows, or None.
         title: a line naming the checkpoint.
+        max_megapixels: uploads of more pixels are refused before they are decoded.
+        run_dir: where "save this view" writes; None: the page offers no saving.
     """
 
     model: VisionTransformer
@@ -168,6 +247,8 @@ class Explorer:
     test_set: Any = None
     head_table: tuple[list[str], list[list[Any]]] | None = None
     title: str = ""
+    max_megapixels: float = 25.0
+    run_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.head_names:
@@ -181,21 +262,39 @@ class Explorer:
 
     def from_file(self, path: str | Path) -> torch.Tensor:
         """An uploaded image file, read as ``predict.py`` reads one (EXIF orientation,
-        16-bit grey, PIL's decompression-bomb limit) and made MNIST-like.
+        16-bit grey) and made MNIST-like; its size is checked before its pixels are decoded.
 
         Raises:
-            ValueError: the file cannot be decoded, holds no digit, or is not an image
-                type ``predict.py`` reads; the message names the file.
+            ValueError: the file is not an image type ``predict.py`` reads, has more than
+                :attr:`max_megapixels`, cannot be decoded or holds no digit; the message
+                names the file (not where the server keeps it) in the user's words.
         """
-        path = Path(path)
-        if path.suffix.lower() not in IMAGE_SUFFIXES:
-            raise ValueError(f"{path.name}: not one of {', '.join(IMAGE_SUFFIXES)}")
+        name = Path(path).name
+        if Path(path).suffix.lower() not in IMAGE_SUFFIXES:
+            raise ValueError(f"{name}: not one of {', '.join(IMAGE_SUFFIXES)}")
+        too_big = (
+            f"the explorer reads images of at most {self.max_megapixels:g} megapixels "
+            "(max_upload_megapixels); scale it down"
+        )
         try:
-            with Image.open(path) as image:
+            with Image.open(path) as image:  # reads the header only
+                width, height = image.size
+                if width * height > self.max_megapixels * 1e6:
+                    raise ValueError(
+                        f"{name} has {width} x {height} pixels ({width * height / 1e6:.0f} "
+                        f"megapixels); {too_big}"
+                    )
                 image.load()
                 return self.from_pixels(mnist_preprocess(image))
-        except UNREADABLE as e:
-            raise ValueError(f"{path.name} cannot be read ({type(e).__name__}: {e})") from None
+        except Image.DecompressionBombError:
+            raise ValueError(f"{name} has too many pixels; {too_big}") from None
+        except ValueError as e:  # too big, or mnist_preprocess: no digit in it
+            raise ValueError(str(e) if name in str(e) else f"{name}: {e}") from None
+        except UNREADABLE:
+            raise ValueError(
+                f"{name} cannot be read as an image: it is damaged or not really a "
+                "PNG, JPEG, BMP or WebP file"
+            ) from None
 
     def from_sketch(self, value: Any) -> torch.Tensor | None:
         """The sketchpad's drawing (Gradio's editor value: a dict whose ``composite`` is a
@@ -232,6 +331,14 @@ class Explorer:
 
     # ------------------------------------------------------------------ pictures
 
+    def explain(
+        self, x: torch.Tensor, heads_off: Sequence[tuple[int, int]] = (), target: int | None = None
+    ) -> ImageExplanation:
+        """:func:`explain_image` of image ``x`` (1, 1, 28, 28) normalised: the page's one
+        computation per input. ``target`` None or :data:`PREDICTED`: the predicted class."""
+        target = None if target is None or target == PREDICTED else int(target)
+        return explain_image(self.model, x, heads_off=heads_off, target=target)
+
     def view(
         self,
         x: torch.Tensor,
@@ -241,7 +348,9 @@ class Explorer:
         layer: int = 0,
         token: int = 0,
         matrix_head: int | None = None,
+        shared: bool = False,
         source: str = "",
+        explanation: ImageExplanation | None = None,
     ) -> View:
         """Everything the page shows for image ``x`` (1, 1, 28, 28) normalised.
 
@@ -249,78 +358,177 @@ class Explorer:
             heads_off: (layer, head) pairs switched off, heads numbered within the block.
             target: the class the relevance explains; None or :data:`PREDICTED`: the
                 predicted one.
-            layer, token: the query view's layer and query token (0 = CLS, 1 = the
-                distillation token of a distilled model, ``model.num_prefix_tokens + r *
-                grid + c`` = patch (r, c)).
-            matrix_head: the head (within ``layer``) whose full attention matrix is shown;
-                None: none.
+            layer, token, matrix_head: the query view's, see :meth:`query`.
+            shared: colour every map of a panel on one scale, from 0 to the panel's largest
+                value; False: each map from its own minimum to its own maximum.
             source: where the image came from, for the summary line.
+            explanation: :meth:`explain` of ``x`` with these ``heads_off`` and ``target``,
+                when the caller has it (the model is then not run).
         """
-        target = None if target is None or target == PREDICTED else int(target)
-        e = explain_image(self.model, x, heads_off=heads_off, target=target)
+        e = explanation or self.explain(x, heads_off, target)
         names = self.class_names
         p, c = e.probs.topk(min(TOP_K, len(e.probs)))
         top = {names[j]: float(q) for j, q in zip(c.tolist(), p.tolist(), strict=True)}
         image = x.float().cpu()
         base = int(e.base_probs.argmax())
         summary = f"predicted: {names[e.predicted]} ({100 * float(e.probs.max()):.1f}%)"
-        if heads_off:
+        if e.heads_off:
             before, after = 100 * float(e.base_probs[base]), 100 * float(e.probs[base])
+            n = len(e.heads_off)
             summary += (
-                f"; {len(heads_off)} head{'s' * (len(heads_off) != 1)} off: "
+                f"; {n} head{'s' * (n != 1)} off: "
                 f"p({names[base]}) {before:.1f}% -> {after:.1f}% ({after - before:+.1f} points)"
             )
         if source:
             summary = f"{source}: {summary}"
-        grid = e.grid_size
+        seen, query_view, matrix = self.query(
+            e, x, layer=layer, token=token, matrix_head=matrix_head, shared=shared
+        )
+        shown = self._on(e, range(len(e.cls_maps)))
+        low, high = colour_range(shown, shared)
         rows, captions = [], []
         for lyr, maps in enumerate(e.cls_maps):
-            heads = maps.shape[0]
-            rows.append(overlay(image.expand(heads, -1, -1, -1), maps))
+            rows.append(self._tiles(e, image, lyr, maps, low, high))
             captions.append(
                 [
-                    f"head {self.head_names[lyr][h]}{' OFF' if (lyr, h) in heads_off else ''}\n"
+                    f"head {self.head_names[lyr][h]} OFF\n(output zeroed)"
+                    if (lyr, h) in e.heads_off
+                    else f"head {self.head_names[lyr][h]}\n"
                     f"{float(e.entropy[lyr][h]):.2f} nats, {float(e.distance[lyr][h]):.1f} px"
-                    for h in range(heads)
+                    for h in range(maps.shape[0])
                 ]
             )
         model_view = tile_table(
-            rows, row_labels=[f"layer {lyr}" for lyr in range(len(rows))], captions=captions
+            rows,
+            row_labels=[f"layer {lyr}" for lyr in range(len(rows))],
+            captions=captions,
+            zoom=MODEL_VIEW_ZOOM,
         )
-        layer = min(max(0, layer), len(e.weights) - 1)
-        token = min(max(0, token), grid * grid)
-        maps = e.token_maps(layer, token)
-        heads = maps.shape[0]
-        query_view = tile_table(
-            [overlay(image.expand(heads, -1, -1, -1), maps)],
-            row_labels=[f"layer {layer}"],
-            captions=[[f"head {h}" for h in self.head_names[layer]]],
-        )
-        matrix = None
-        if matrix_head is not None and 0 <= matrix_head < heads:
-            w = e.weights[layer][matrix_head]
-            scale = max(2, 400 // w.shape[-1])
-            matrix = _array(_zoomed(colorize(w[None]), scale)[0])
+        single = {
+            name: self._single(image, m, shared, caption)
+            for name, m, caption in (
+                ("rollout", e.rollout, "rollout: how much of each patch reaches CLS"),
+                ("relevance", e.relevance, f"relevance for class {names[e.target]}"),
+            )
+        }
         return View(
             explanation=e,
             top=top,
             summary=summary,
-            seen=_array(self._seen(image, grid, token)),
-            model_view=_array(model_view),
-            query_view=_array(query_view),
+            seen=seen,
+            model_view=_bar(model_view, shown, low, high, "the CLS token's attention weight"),
+            query_view=query_view,
             matrix=matrix,
-            rollout=_array(_zoomed(overlay(image, e.rollout[None]))[0]),
-            relevance=_array(_zoomed(overlay(image, e.relevance[None]))[0]),
+            rollout=single["rollout"],
+            relevance=single["relevance"],
+            settings={
+                "heads_off": [f"{lyr}:{h}" for lyr, h in e.heads_off],
+                "target": None if target is None or target == PREDICTED else int(target),
+                "layer": layer,
+                "token": token,
+                "matrix_head": matrix_head,
+                "colour_scale": "shared" if shared else "each map",
+                "source": source,
+            },
         )
 
+    def query(
+        self,
+        e: ImageExplanation,
+        x: torch.Tensor,
+        *,
+        layer: int = 0,
+        token: int = 0,
+        matrix_head: int | None = None,
+        shared: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The query view's pictures, drawn from ``e`` (:meth:`explain` of ``x``) without
+        running the model: the input with the patch grid and the query patch outlined,
+        where query ``token`` attends in ``layer`` per head, and head ``matrix_head``'s
+        full attention matrix (None: no matrix).
+
+        Args:
+            layer, token: the query view's layer and query token (0 = CLS, 1 = the
+                distillation token of a distilled model, ``model.num_prefix_tokens + r *
+                grid + c`` = patch (r, c)); out of range: the nearest.
+            matrix_head: a head of ``layer``; None or out of range: no matrix.
+            shared: as in :meth:`view`.
+        """
+        image = x.float().cpu()
+        layer = min(max(0, layer), len(e.weights) - 1)
+        token = min(max(0, token), e.weights[layer].shape[-1] - 1)
+        maps = e.token_maps(layer, token)
+        shown = self._on(e, [layer], token)
+        low, high = colour_range(shown, shared)
+        query_view = tile_table(
+            [self._tiles(e, image, layer, maps, low, high)],
+            row_labels=[f"layer {layer}"],
+            captions=[
+                [
+                    f"head {n}{' OFF' if (layer, h) in e.heads_off else ''}"
+                    for h, n in enumerate(self.head_names[layer])
+                ]
+            ],
+        )
+        query_view = _bar(query_view, shown, low, high, f"attention weight of {self._name(token)}")
+        matrix = None
+        if matrix_head is not None and 0 <= matrix_head < maps.shape[0]:
+            w = e.weights[layer][matrix_head]
+            lo, hi = colour_range([w], shared)
+            cell = max(6, MATRIX_SIDE // w.shape[-1])
+            names = [self._name(t, short=True) for t in range(w.shape[-1])]
+            picture = attention_matrix(w, names, cell=cell, low=lo, high=hi)
+            matrix = _bar(picture, [w], lo, hi, "attention weight (row: query, column: key)")
+        return _array(self._seen(image, token)), query_view, matrix
+
     @staticmethod
-    def _seen(image: torch.Tensor, grid: int, token: int) -> torch.Tensor:
+    def _single(image: torch.Tensor, m: torch.Tensor, shared: bool, caption: str) -> np.ndarray:
+        """One (grid, grid) map over the zoomed image, with its colour bar."""
+        low, high = colour_range([m], shared)
+        picture = _zoomed(overlay(image, m[None], low=low, high=high))[0]
+        return _bar(_tensor(picture), [m], low, high, caption)
+
+    def _on(self, e: ImageExplanation, layers: Sequence[int], token: int = 0) -> list[torch.Tensor]:
+        """The maps of query ``token`` of the heads of ``layers`` that are on."""
+        return [
+            m
+            for layer in layers
+            for h, m in enumerate(e.token_maps(layer, token))
+            if (layer, h) not in e.heads_off
+        ] or [torch.zeros(1)]
+
+    @staticmethod
+    def _tiles(
+        e: ImageExplanation,
+        image: torch.Tensor,
+        layer: int,
+        maps: torch.Tensor,
+        low: float | None,
+        high: float | None,
+    ) -> torch.Tensor:
+        """(heads, 3, 28, 28): ``maps`` over the image, a switched-off head crossed out."""
+        tiles = overlay(image.expand(maps.shape[0], -1, -1, -1), maps, low=low, high=high)
+        for lyr, h in e.heads_off:
+            if lyr == layer:
+                tiles[h] = crossed_out(image)[0]
+        return tiles
+
+    def _name(self, token: int, short: bool = False) -> str:
+        """The name of ``token``: CLS, the distillation token, or patch (row, column)."""
+        prefix, grid = self.model.num_prefix_tokens, self.model.patch_embed.grid_size
+        if token < prefix:
+            return ("CLS", "dist." if short else "the distillation token")[token]
+        r, c = divmod(token - prefix, grid)
+        return f"{r},{c}" if short else f"patch {r},{c}"
+
+    def _seen(self, image: torch.Tensor, token: int) -> torch.Tensor:
         """The 28 x 28 input, zoomed, with the patch grid and the query patch outlined."""
+        grid, prefix = self.model.patch_embed.grid_size, self.model.num_prefix_tokens
         picture = _zoomed(grey(image))[0]  # (3, 28 * ZOOM, 28 * ZOOM)
         step = picture.shape[-1] // grid
         picture[:, ::step, :] = picture[:, :, ::step] = 0.35
-        if token > 0:
-            r, c = divmod(token - 1, grid)
+        if token >= prefix:
+            r, c = divmod(token - prefix, grid)
             box = picture[:, r * step : (r + 1) * step, c * step : (c + 1) * step]
             red = torch.tensor([1.0, 0.2, 0.2])[:, None, None]
             for edge in (box[:, :2], box[:, -2:], box[:, :, :2], box[:, :, -2:]):
@@ -334,6 +542,51 @@ class Explorer:
         r = min(grid - 1, max(0, int(y * grid // side)))
         c = min(grid - 1, max(0, int(x * grid // side)))
         return self.model.num_prefix_tokens + r * grid + c
+
+    def save(self, view: View, image: torch.Tensor) -> Path:
+        """Write ``view`` into :attr:`run_dir`: ``views/view-NNN.png``, every panel in one
+        picture, and beside it ``view-NNN.json``, the settings that reproduce it (the
+        checkpoint, the controls, and the 28 x 28 input's pixels in [0, 1], 1 = ink, for a
+        drawing).
+
+        Returns:
+            The PNG's path.
+
+        Raises:
+            ConfigError: no run dir (the page was not started by ``scripts/explore.py``).
+            WriteError: the folder cannot be written.
+        """
+        if self.run_dir is None:
+            raise ConfigError("no run dir to save into: start the page with scripts/explore.py")
+        folder = Path(self.run_dir) / "views"
+        taken = {p.stem for p in folder.glob("view-*.png")} if folder.is_dir() else set()
+        stem = next(
+            f"view-{n:03d}" for n in range(1, len(taken) + 2) if f"view-{n:03d}" not in taken
+        )
+        panels = [
+            ("the input (28 x 28) and the query patch: " + view.summary, view.seen),
+            ("attention rollout", view.rollout),
+            (f"class relevance of {self.class_names[view.explanation.target]}", view.relevance),
+            ("model view: the CLS token's attention, every layer and head", view.model_view),
+            ("query view", view.query_view),
+        ]
+        if view.matrix is not None:
+            panels.append(("attention matrix", view.matrix))
+        picture = stack_pictures(
+            [torch.from_numpy(a).permute(2, 0, 1) for _, a in panels], [t for t, _ in panels]
+        )
+        pixels = (image.float().cpu() * self.std + self.mean)[0, 0]  # as from_pixels takes
+        settings = {
+            "ckpt_path": self.title,
+            **view.settings,
+            "predicted": self.class_names[view.explanation.predicted],
+            "input_pixels": [[round(v, 4) for v in row] for row in pixels.tolist()],
+        }
+        save_png(picture, folder / f"{stem}.png")
+        atomic_write_bytes(
+            folder / f"{stem}.json", (json.dumps(settings, indent=1) + "\n").encode()
+        )
+        return folder / f"{stem}.png"
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -358,6 +611,7 @@ def load_explorer(cfg: DictConfig) -> Explorer:
         std=float(data.get("std", 0.3081)),
         head_names=original_heads(ckpt),
         title=f"{path}",
+        max_megapixels=float(cfg.max_upload_megapixels),
     )
     heads_csv = cfg.get("heads_csv")
     if heads_csv:
@@ -399,8 +653,10 @@ def _gradio():
 def build_page(explorer: Explorer):
     """The Gradio page (a ``gr.Blocks``) of ``explorer``; not launched.
 
-    Every input (drawing, upload, test index, example, a click on a patch, a head's check
-    box, a dropdown) calls :meth:`Explorer.view` once and updates every panel.
+    A new image, a head switched on or off and a new class to explain run the model once
+    (:meth:`Explorer.view`) and update every panel; the colour scale redraws them from the
+    session's last explanation, and a patch, query token, layer or matrix head redraws the
+    query view alone (:meth:`Explorer.query`), without the model.
     """
     gr = _gradio()
     model = explorer.model
@@ -413,8 +669,26 @@ def build_page(explorer: Explorer):
     def head_choices(layer: int) -> list[tuple[str, int]]:
         return [(f"head {n}", h) for h, n in enumerate(explorer.head_names[layer])]
 
-    with gr.Blocks(title="vit-mnist attention explorer", analytics_enabled=False) as page:
-        state = gr.State(None)  # {"x": (1, 1, 28, 28) normalised image, "source": str}
+    def image(alt: str, **kwargs):
+        # Titles as text above the pictures, not Gradio's label, which covers their top
+        # left corner; no Share button (it only says "Must be on Spaces to share").
+        return gr.Image(
+            show_label=False,
+            interactive=False,
+            format="png",
+            buttons=["download", "fullscreen"],
+            alt_text=alt,
+            **kwargs,
+        )
+
+    with gr.Blocks(
+        title="vit-mnist attention explorer",
+        analytics_enabled=False,
+        delete_cache=(CACHE_MAX_AGE_S, CACHE_MAX_AGE_S),
+    ) as page:
+        # {"x": (1, 1, 28, 28) normalised image, "source": str, "key": (heads off, class)
+        # of "explanation", the last Explorer.explain of x}: per session.
+        state = gr.State(None)
         gr.Markdown(
             f"### vit-mnist attention explorer\n`{explorer.title}`: {model.depth} layers, "
             f"heads per layer {[len(h) for h in explorer.head_names]}, patch "
@@ -430,23 +704,29 @@ def build_page(explorer: Explorer):
                             canvas_size=(280, 280),
                             fixed_canvas=True,
                             layers=False,
+                            transforms=(),
                             brush=gr.Brush(default_size=22, colors=["#000000"]),
-                            label="draw a digit (pick the brush on the left first)",
+                            buttons=[],
+                            label="draw a digit",
+                            elem_id="sketch",
                         )
                     with gr.Tab("Upload"):
                         upload = gr.File(
                             file_types=list(IMAGE_SUFFIXES),
                             type="filepath",
-                            label="an image",
+                            label=(
+                                "an image (PNG, JPEG, BMP or WebP; at most "
+                                f"{explorer.max_megapixels:g} megapixels)"
+                            ),
                             elem_id="upload",
                         )
                     with gr.Tab("Test image"):
                         test_max = len(explorer.test_set) - 1 if explorer.test_set else 0
+                        # No minimum or maximum: Gradio's own check of them prints a
+                        # traceback; Explorer.from_test says the range on the page.
                         index = gr.Number(
                             label=f"test image index (0 to {test_max})",
                             precision=0,
-                            minimum=0,
-                            maximum=test_max,
                             interactive=explorer.test_set is not None,
                             elem_id="test-index",
                         )
@@ -463,15 +743,24 @@ def build_page(explorer: Explorer):
                     height=260,
                     object_fit="contain",
                     allow_preview=False,
+                    interactive=False,
+                    buttons=[],
                     label="examples: the TensorBoard panel's validation digits",
                     visible=explorer.examples is not None,
                 )
             with gr.Column(scale=2):
-                # Labels as text above the pictures: Gradio's label sits over the top of one.
                 gr.Markdown("**What the model sees** (28 x 28): click a patch to query it")
-                seen = gr.Image(show_label=False, interactive=False, format="png", elem_id="seen")
+                seen = image(
+                    "the input digit as the model sees it, 28 x 28, with the patch grid and "
+                    "the query patch outlined in red",
+                    elem_id="seen",
+                )
                 prediction = gr.Label(num_top_classes=TOP_K, label="prediction")
                 summary = gr.Markdown(elem_id="summary")
+                save = gr.Button(
+                    "save this view", visible=explorer.run_dir is not None, elem_id="save"
+                )
+                saved = gr.Markdown(elem_id="saved")
             with gr.Column(scale=3):
                 target = gr.Dropdown(
                     [("the predicted class", PREDICTED)] + [(n, c) for c, n in enumerate(names)],
@@ -479,12 +768,20 @@ def build_page(explorer: Explorer):
                     label="explain which class (class relevance, Chefer et al. 2021)",
                 )
                 with gr.Row():
-                    rollout = gr.Image(
-                        label="attention rollout", interactive=False, format="png", height=240
-                    )
-                    relevance = gr.Image(
-                        label="class relevance", interactive=False, format="png", height=240
-                    )
+                    with gr.Column(min_width=160):
+                        gr.Markdown("**Attention rollout** (Abnar and Zuidema 2020)")
+                        rollout = image(
+                            "attention rollout over the digit: how much of each patch "
+                            "reaches the CLS token through all layers",
+                            elem_id="rollout",
+                        )
+                    with gr.Column(min_width=160):
+                        gr.Markdown("**Class relevance** (Chefer et al. 2021)")
+                        relevance = image(
+                            "class relevance over the digit: which patches speak for the "
+                            "explained class",
+                            elem_id="relevance",
+                        )
         gr.Markdown("**Heads on** (uncheck to switch a head off; every panel is recomputed)")
         with gr.Row():
             switches = [
@@ -498,16 +795,20 @@ def build_page(explorer: Explorer):
                 for layer in range(model.depth)
             ]
         with gr.Row():
+            scale = gr.Radio(
+                list(SCALES), value=SCALES[0], label="colour scale", elem_id="scale", scale=1
+            )
+            gr.Markdown(SCALE_NOTE)
+        with gr.Row():
             with gr.Column(scale=1):
                 gr.Markdown(
                     "**Model view**: the CLS token's attention of every layer (rows) and "
-                    "head, its entropy and mean attention distance"
+                    "head, its entropy and mean attention distance; a head switched off is "
+                    "crossed out"
                 )
-                model_view = gr.Image(
-                    show_label=False,
-                    interactive=False,
-                    format="png",
-                    height=880,  # the whole grid, unscaled, for six layers of four heads
+                model_view = image(
+                    "the model view: a grid of layers by heads, each tile the CLS token's "
+                    "attention over the digit, with its entropy and mean distance",
                     elem_id="model-view",
                 )
             with gr.Column(scale=1):
@@ -518,51 +819,91 @@ def build_page(explorer: Explorer):
                         label="query view: layer",
                     )
                     token = gr.Dropdown(tokens, value=0, label="query token")
-                query_view = gr.Image(
-                    label="where the query token attends, per head",
-                    interactive=False,
-                    format="png",
+                gr.Markdown("**Where the query token attends**, per head")
+                query_view = image(
+                    "the query view: per head of the chosen layer, where the query token "
+                    "attends over the digit",
+                    elem_id="query-view",
                 )
                 matrix_head = gr.Dropdown(
                     [("none", -1), *head_choices(0)],
                     value=-1,
-                    label="full attention matrix of head (row = query, column = key, 0 = CLS)",
+                    label="full attention matrix of head",
+                    elem_id="matrix-head",
                 )
-                matrix = gr.Image(label="attention matrix", interactive=False, format="png")
+                gr.Markdown("**Attention matrix**: rows are queries, columns keys")
+                matrix = image(
+                    "the chosen head's full attention matrix, tokens CLS and patch row,column "
+                    "along both sides",
+                    elem_id="matrix",
+                )
         if explorer.head_table is not None:
             headers, rows = explorer.head_table
             with gr.Accordion("heads by importance (eval.py analysis=heads or roles)", open=False):
                 gr.Dataframe(value=rows, headers=headers, interactive=False)
 
-        controls = [target, layer, token, matrix_head, *switches]
-        outputs = [prediction, summary, seen, model_view, query_view, matrix, rollout, relevance]
+        controls = [target, scale, layer, token, matrix_head, *switches]
+        # The View's fields and the components that show them: a new panel is a field of
+        # View and a line here.
+        panels = {
+            "top": prediction,
+            "summary": summary,
+            "seen": seen,
+            "model_view": model_view,
+            "query_view": query_view,
+            "matrix": matrix,
+            "rollout": rollout,
+            "relevance": relevance,
+        }
+        queried = [seen, query_view, matrix]
 
-        def show(current, target_v, layer_v, token_v, head_v, *checked) -> list[Any]:
+        def choices(values: Sequence[Any]) -> dict[str, Any]:
+            """The controls' values as :meth:`Explorer.view`'s arguments."""
+            target_v, scale_v, layer_v, token_v, head_v, *checked = values
+            return {
+                "heads_off": explorer.heads_off(checked),
+                "target": target_v,
+                "layer": int(layer_v or 0),
+                "token": int(token_v or 0),
+                "matrix_head": None if head_v is None or int(head_v) < 0 else int(head_v),
+                "shared": scale_v == SCALES[1],
+            }
+
+        def explained(current: dict, chosen: dict) -> dict:
+            """``current`` with the explanation of its image for ``chosen``: the last one
+            if it was for the same heads and class, else the model is run."""
+            key = (tuple(chosen["heads_off"]), chosen["target"])
+            if current.get("key") == key:
+                return current
+            e = explorer.explain(current["x"], chosen["heads_off"], chosen["target"])
+            return {**current, "key": key, "explanation": e}
+
+        def show(current, *values) -> list[Any]:
+            """[state, *panels] for the session's image and the controls' values."""
             if current is None:
-                return [gr.skip()] * len(outputs)
+                return [gr.skip()] * (1 + len(panels))
+            chosen = choices(values)
+            current = explained(current, chosen)
             v = explorer.view(
-                current["x"],
-                heads_off=explorer.heads_off(checked),
-                target=target_v,
-                layer=int(layer_v or 0),
-                token=int(token_v or 0),
-                matrix_head=None if head_v is None or int(head_v) < 0 else int(head_v),
-                source=current["source"],
+                current["x"], explanation=current["explanation"], source=current["source"], **chosen
             )
-            return [
-                v.top,
-                v.summary,
-                v.seen,
-                v.model_view,
-                v.query_view,
-                v.matrix,
-                v.rollout,
-                v.relevance,
-            ]
+            return [current, *(getattr(v, name) for name in panels)]
+
+        def requery(current, *values) -> list[Any]:
+            """The query view's pictures from the session's explanation."""
+            if current is None:
+                return [gr.skip()] * len(queried)
+            chosen = choices(values)
+            current = explained(current, chosen)
+            kept = ("layer", "token", "matrix_head", "shared")
+            seen_v, query_v, matrix_v = explorer.query(
+                current["explanation"], current["x"], **{k: chosen[k] for k in kept}
+            )
+            return [seen_v, query_v, matrix_v]
 
         def new_input(read):
             """A handler that reads a new image with ``read(value) -> (x, source)`` and
-            shows it; a bad input is a warning on the page and changes nothing."""
+            shows it; None or a bad input (a warning on the page) changes nothing."""
 
             def handler(value, *values):
                 try:
@@ -571,15 +912,20 @@ def build_page(explorer: Explorer):
                     gr.Warning(str(e))
                     found = None
                 if found is None:
-                    return [gr.skip()] * (1 + len(outputs))
-                current = {"x": found[0], "source": found[1]}
-                return [current, *show(current, *values)]
+                    return [gr.skip()] * (1 + len(panels))
+                return show({"x": found[0], "source": found[1]}, *values)
 
             return handler
 
-        def read_sketch(value):
+        def drawn(value, current, *values):
+            """A stroke shows the drawing; a canvas cleared (or erased) while the panels
+            show the drawing empties them."""
             x = explorer.from_sketch(value)
-            return None if x is None else (x, "drawing")
+            if x is not None:
+                return show({"x": x, "source": DRAWING}, *values)
+            if current is not None and current["source"] == DRAWING:
+                return [None, *("" if name == "summary" else None for name in panels)]
+            return [gr.skip()] * (1 + len(panels))
 
         def read_upload(path):
             return None if not path else (explorer.from_file(path), Path(path).name)
@@ -590,48 +936,132 @@ def build_page(explorer: Explorer):
             x, label = explorer.from_test(int(i))
             return x, f"test image {int(i)} (label {names[label]})"
 
-        # Gradio finds the event's data by the parameter's annotation, which must be the
-        # class itself (this module's annotations are strings).
         def read_example(i):
             x, y = explorer.examples[0][i : i + 1], int(explorer.examples[1][i])
             return x, f"example {i} (label {names[y]})"
 
-        def pick_example(_, evt, *values):
+        # Gradio finds the event's data by the parameter's annotation, which must be the
+        # class itself (this module's annotations are strings).
+        def pick_example(evt, *values):
             return new_input(read_example)(evt.index, *values)
 
         def first_example(*values):
             # The page opens on the first example, not on empty panels.
             if explorer.examples is None:
-                return [gr.skip()] * (1 + len(outputs))
+                return [gr.skip()] * (1 + len(panels))
             return new_input(read_example)(0, *values)
-
-        pick_example.__annotations__ = {"evt": gr.SelectData}
-        both = [state, *outputs]
-        sketch.change(new_input(read_sketch), [sketch, *controls], both, show_progress="hidden")
-        upload.upload(new_input(read_upload), [upload, *controls], both)
-        index.input(new_input(read_test), [index, *controls], both, show_progress="hidden")
-        gallery.select(pick_example, [gallery, *controls], both, show_progress="hidden")
-        page.load(first_example, controls, both, show_progress="hidden")
 
         def click(current, evt, *values):
             chosen = explorer.token_at(*evt.index)
-            return [chosen, *show(current, *values[:2], chosen, *values[3:])]
-
-        click.__annotations__ = {"evt": gr.SelectData}
-
-        seen.select(click, [state, *controls], [token, *outputs], show_progress="hidden")
+            return [chosen, *requery(current, *values[:3], chosen, *values[4:])]
 
         def new_layer(current, *values):
-            choices = [("none", -1), *head_choices(int(values[1]))]
+            heads = [("none", -1), *head_choices(int(values[2]))]
             return [
-                gr.update(choices=choices, value=-1),
-                *show(current, *values[:3], -1, *values[4:]),
+                gr.update(choices=heads, value=-1),
+                *requery(current, *values[:4], -1, *values[5:]),
             ]
 
-        layer.input(new_layer, [state, *controls], [matrix_head, *outputs], show_progress="hidden")
-        for control in (target, token, matrix_head, *switches):
-            control.input(show, [state, *controls], outputs, show_progress="hidden")
+        def save_view(current, *values):
+            if current is None:
+                return "nothing to save yet"
+            chosen = choices(values)
+            current = explained(current, chosen)
+            v = explorer.view(
+                current["x"], explanation=current["explanation"], source=current["source"], **chosen
+            )
+            try:
+                path = explorer.save(v, current["x"])
+            except WriteError as e:
+                return f"not saved: {e}"
+            return f"saved: `{path}` and its settings, `{path.with_suffix('.json').name}`"
+
+        pick_example.__annotations__ = {"evt": gr.SelectData}
+        click.__annotations__ = {"evt": gr.SelectData}
+        # Files only as uploads: Gradio fetches a URL that an API request names as the
+        # file of an input; these components refuse it before anything is fetched.
+        for component in (sketch, upload):
+            component.async_move_resource_to_block_cache = _uploads_only(
+                gr, component.async_move_resource_to_block_cache
+            )
+        both = [state, *panels.values()]
+        # No spinner over the panels; and a change made while the last one is computed is
+        # shown after it (Gradio's default for these events drops it, leaving panels that
+        # do not match the controls).
+        quiet = {"show_progress": "hidden", "trigger_mode": "always_last"}
+        sketch.change(drawn, [sketch, state, *controls], both, **quiet)
+        upload.upload(new_input(read_upload), [upload, *controls], both, trigger_mode="always_last")
+        index.input(new_input(read_test), [index, *controls], both, **quiet)
+        gallery.select(pick_example, controls, both, **quiet)
+        page.load(first_example, controls, both, **quiet)
+        # The brush ready on the Draw tab, as in Gradio's sketchpad demos, from the start
+        # and after the canvas is cleared (the editor starts, and clears, with no tool).
+        page.load(None, js=PICK_BRUSH)
+        sketch.clear(None, js=PICK_BRUSH)
+        for control in (target, scale, *switches):
+            control.input(show, [state, *controls], both, **quiet)
+        seen.select(click, [state, *controls], [token, *queried], **quiet)
+        for control in (token, matrix_head):
+            control.input(requery, [state, *controls], queried, **quiet)
+        layer.input(new_layer, [state, *controls], [matrix_head, *queried], **quiet)
+        save.click(save_view, [state, *controls], saved)
     return page
+
+
+def _uploads_only(gr, move: Callable[[Any], Awaitable[str | None]]):
+    """``move`` (a component's ``async_move_resource_to_block_cache``), refusing a URL
+    with one line on the page, and none in the terminal."""
+    from gradio_client.utils import is_http_url_like
+
+    async def moved(url_or_path):
+        if url_or_path is not None and is_http_url_like(str(url_or_path)):
+            raise gr.Error(
+                "the explorer takes files as uploads only, not URLs", print_exception=False
+            )
+        return await move(url_or_path)
+
+    return moved
+
+
+def check_address(server_name: str, server_port: int | None) -> bool:
+    """Whether the page can be served at ``server_name`` and ``server_port`` (None: any
+    free port), tried by binding a socket there before Gradio does; returns whether the
+    address is a loopback one (reachable from this machine only).
+
+    Raises:
+        ConfigError: a name that does not resolve, an address that is not this machine's,
+            or a port that another program holds; the message names the value and the fix.
+    """
+    loopback = "server_name=127.0.0.1 (this machine only) or 0.0.0.0 (every network)"
+    if ":" in server_name:  # Gradio writes its own address without the brackets IPv6 needs
+        raise ConfigError(f"server_name={server_name}: an IPv6 address; use {loopback}")
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(
+            server_name, server_port or 0, type=socket.SOCK_STREAM
+        )[0]
+    except (socket.gaierror, UnicodeError):
+        raise ConfigError(f"server_name={server_name} does not resolve; use {loopback}") from None
+    with socket.socket(family, kind) as probe:
+        # As uvicorn binds: a port left in TIME_WAIT by a page just closed is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"server_port={server_port} is taken by another program; choose another "
+                    "(server_port=7861) or leave it out for the first free port from 7860"
+                ) from None
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError(
+                    f"server_name={server_name} ({address[0]}) is not an address of this "
+                    f"machine; use {loopback}"
+                ) from None
+            raise ConfigError(
+                f"cannot serve on server_name={server_name} server_port={server_port}: "
+                f"{e.strerror}; use {loopback} and a port from 1024 up"
+            ) from None
+    return ipaddress.ip_address(address[0].split("%")[0]).is_loopback
 
 
 def launch(
@@ -682,15 +1112,18 @@ def main(cfg: DictConfig) -> None:
 
     Raises:
         CheckpointError: no or an unreadable checkpoint (exit status 2).
-        ConfigError: a bad setting, an unreadable ``heads_csv``, no Gradio (exit status 2).
+        ConfigError: a bad setting, an unreadable ``heads_csv``, no Gradio, an address
+            the page cannot be served at (exit status 2).
     """
     if OmegaConf.is_missing(cfg, "ckpt_path"):
         raise CheckpointError("ckpt_path is required: scripts/explore.py ckpt_path=PATH")
     check_settings(cfg, ExploreSettings)
+    loopback = check_address(cfg.server_name, cfg.server_port)
     # One image at a time: a second thread only waits on the first, and on a shared
     # machine it competes with everything else for the cores.
     torch.set_num_threads(1)
     explorer = load_explorer(cfg)
+    explorer.run_dir = Path(cfg.paths.output_dir)
     page = build_page(explorer)
     # Gradio's requests to its own server are logged by httpx at INFO: not the user's news.
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -701,6 +1134,13 @@ def main(cfg: DictConfig) -> None:
         max_upload_mb=float(cfg.max_upload_mb),
     )
     print(f"explorer: {url} (Ctrl-C stops it)", flush=True)
+    if not loopback:
+        log.warning(
+            "server_name=%s: the page is open to every machine that can reach this one on "
+            "port %s, without a password; server_name=127.0.0.1 keeps it to this machine",
+            cfg.server_name,
+            url.rstrip("/").rpartition(":")[2],
+        )
     try:
         page.block_thread()
     finally:

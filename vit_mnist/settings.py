@@ -424,6 +424,7 @@ class ExploreSettings:
     server_name: str = _setting(example="server_name=127.0.0.1")
     server_port: int | None = _setting(ge=1, le=65535, example="server_port=7860")
     max_upload_mb: float = _setting(gt=0, example="max_upload_mb=10")
+    max_upload_megapixels: float = _setting(gt=0, example="max_upload_megapixels=25")
     data: DataSettings | None = None
     paths: dict[str, Any] = field(default_factory=dict)
 

@@ -2,21 +2,26 @@
 
 :func:`explain_image` is the explorer's one call per change of the page: the prediction,
 every layer's and head's attention, their entropy and mean attention distance, the
-rollout and the class relevance of a chosen class, all computed with the same functions
-that TensorBoard (:func:`~vit_mnist.analysis.attention.attention_report`), ``predict.py``
-and ``eval.py analysis=heads`` (:func:`~vit_mnist.analysis.heads.heads_switched_off`) use.
+rollout and the class relevance of a chosen class, computed with the functions that
+TensorBoard (:func:`~vit_mnist.analysis.attention.attention_report`) and ``predict.py``
+use, in one forward and backward pass; the heads switched off are a head mask given to
+that pass (the ablation of ``eval.py analysis=heads``), never set on the model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from vit_mnist.analysis.attention import attention_report, attention_rollout, cls_attention
-from vit_mnist.analysis.heads import heads_switched_off
-from vit_mnist.analysis.relevance import class_relevance
+from vit_mnist.analysis.attention import (
+    attention_entropy,
+    attention_rollout,
+    cls_attention,
+    mean_attention_distance,
+)
+from vit_mnist.analysis.relevance import relevance_rule
 from vit_mnist.models.vit import VisionTransformer
 
 
@@ -40,6 +45,7 @@ class ImageExplanation:
             and Wolf 2021).
         target: the class ``relevance`` explains (the predicted one unless chosen).
         grid_size: patches per image side.
+        heads_off: the (layer, head) pairs switched off, sorted.
     """
 
     logits: torch.Tensor
@@ -53,6 +59,7 @@ class ImageExplanation:
     relevance: torch.Tensor
     target: int
     grid_size: int
+    heads_off: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def predicted(self) -> int:
@@ -66,6 +73,25 @@ class ImageExplanation:
         return cls_attention(self.weights[layer], self.grid_size, token)
 
 
+def head_gates(
+    model: VisionTransformer, heads_off: Iterable[tuple[int, int]]
+) -> list[torch.Tensor]:
+    """The head mask of :meth:`VisionTransformer.forward_with_attention` that switches off
+    ``heads_off``: per block, a (num_heads,) float32 tensor of 1s with 0 at each head off.
+
+    Raises:
+        ValueError: a (layer, head) that ``model`` does not have (heads numbered within
+            their block, as in ``model``: a pruned block numbers its heads 0, 1, ...).
+    """
+    counts = [block.attn.num_heads for block in model.blocks]
+    gates = [torch.ones(count) for count in counts]
+    for layer, head in heads_off:
+        if not (0 <= layer < len(counts) and 0 <= head < counts[layer]):
+            raise ValueError(f"no head {layer}:{head} in a model with heads {counts}")
+        gates[layer][head] = 0.0
+    return gates
+
+
 def explain_image(
     model: VisionTransformer,
     image: torch.Tensor,
@@ -75,14 +101,21 @@ def explain_image(
 ) -> ImageExplanation:
     """Run ``model`` on one image with ``heads_off`` zeroed and gather what the explorer shows.
 
-    The attention comes from :func:`attention_report` (explicit path, eval mode), the
-    relevance from :func:`class_relevance` (one forward and backward pass), both inside
-    :func:`heads_switched_off`: the heads' outputs are zeroed before ``W^O`` exactly as
-    ``eval.py analysis=heads`` zeroes one (Michel, Levy and Neubig 2019, eq. 1). With heads
-    off, one more forward pass with every head on gives ``base_probs``.
+    One forward and one backward pass: the heads are switched off by the head mask that
+    :meth:`VisionTransformer.forward_with_attention` takes as an argument (each head's
+    output zeroed before ``W^O``, as ``eval.py analysis=heads``' :func:`heads_zeroed` does:
+    Michel, Levy and Neubig 2019, eq. 1), and with heads off the image is run a second
+    time in the same batch with every head on, for ``base_probs``. The attention
+    statistics are :func:`attention_report`'s (:func:`attention_entropy`,
+    :func:`mean_attention_distance`, :func:`attention_rollout`), the relevance is
+    :func:`class_relevance`'s rule (:func:`relevance_rule`) on the same pass.
+
+    Nothing of the call is left on ``model``, not even for its duration (no hook, no
+    train/eval switch, no ``.grad``): calls with different heads off may share one model
+    in several threads at once.
 
     Args:
-        model: a :class:`VisionTransformer`; its train/eval mode is restored.
+        model: a :class:`VisionTransformer` in eval mode.
         image: (1, C, H, W) or (C, H, W) float, normalised as the model was trained.
         heads_off: (layer, head) pairs, heads numbered within their block.
         target: the class the relevance explains; None: the predicted one.
@@ -91,41 +124,48 @@ def explain_image(
         An :class:`ImageExplanation`, tensors on the CPU.
 
     Raises:
-        ValueError: more than one image, a head the model lacks, or a target class outside
-            the model's classes.
+        ValueError: more than one image, a model in training mode, a head the model lacks,
+            or a target class outside the model's classes.
         RuntimeError: called inside :func:`torch.inference_mode` (relevance needs gradients).
     """
     x = image if image.ndim == 4 else image[None]
     if x.shape[0] != 1:
         raise ValueError(f"explain_image takes one image; got a batch of {x.shape[0]}")
+    if model.training:
+        raise ValueError("explain_image needs the model in eval mode: call model.eval() first")
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("explain_image needs gradients; call it outside torch.inference_mode")
     heads_off = sorted(set(heads_off))
-    with heads_switched_off(model, heads_off):
-        report = attention_report(model, x, relevance=False, pictures=False)
-        relevance, classes = class_relevance(model, x, target)
-    logits = report.logits[0]
-    probs = logits.softmax(dim=-1)
-    base_probs = probs
-    if heads_off:
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                device = next(model.parameters()).device
-                base_probs = model(x.to(device)).float().cpu()[0].softmax(dim=-1)
-        finally:
-            model.train(was_training)
-    grid = model.patch_embed.grid_size
-    weights = [w[0] for w in report.weights]
+    gates = head_gates(model, heads_off)
+    classes = model.head.out_features
+    if target is not None and not 0 <= target < classes:
+        raise ValueError(f"target class {target} is outside 0..{classes - 1}")
+    parameter = next(model.parameters())
+    if heads_off:  # row 0 with the heads off, row 1 with every head on
+        gates = [torch.stack([g, torch.ones_like(g)]) for g in gates]
+        x = torch.cat([x, x])
+    # A leaf of its own (not the caller's tensor) that requires grad: the graph exists even
+    # when the parameters are frozen; only the attention weights' gradients are taken.
+    x = x.to(parameter.device, parameter.dtype).detach().requires_grad_(True)
+    with torch.enable_grad(), torch.autocast(parameter.device.type, enabled=False):
+        logits, weights = model.forward_with_attention(x, [g.to(x) for g in gates])
+        explained = int(logits[0].argmax()) if target is None else int(target)
+        grads = torch.autograd.grad(logits[0, explained], weights)
+    grid, patch = model.patch_embed.grid_size, model.patch_embed.patch_size
+    relevance = relevance_rule([w[:1] for w in weights], [g[:1] for g in grads], grid)
+    weights = [w[:1].detach().float().cpu() for w in weights]
+    probs = logits.detach().float().cpu().softmax(dim=-1)
     return ImageExplanation(
-        logits=logits,
-        probs=probs,
-        base_probs=base_probs,
-        weights=weights,
-        cls_maps=[cls_attention(w, grid) for w in weights],
-        entropy=report.entropy,
-        distance=report.distance,
-        rollout=cls_attention(attention_rollout(report.weights), grid)[0],
-        relevance=relevance[0],
-        target=int(classes[0]),
+        logits=logits[0].detach().float().cpu(),
+        probs=probs[0],
+        base_probs=probs[-1],
+        weights=[w[0] for w in weights],
+        cls_maps=[cls_attention(w[0], grid) for w in weights],
+        entropy=[attention_entropy(w) for w in weights],
+        distance=[mean_attention_distance(w, grid_size=grid, patch_size=patch) for w in weights],
+        rollout=cls_attention(attention_rollout(weights), grid)[0],
+        relevance=relevance[0].detach().float().cpu(),
+        target=explained,
         grid_size=grid,
+        heads_off=heads_off,
     )

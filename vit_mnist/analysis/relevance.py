@@ -15,6 +15,8 @@ head's attention by how much it moves that logit, and keeps only what speaks for
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from einops import rearrange
 
@@ -121,14 +123,33 @@ def class_relevance(
                     c = targets[start : start + batch_size].to(device)
                 score = logits.gather(1, c[:, None]).sum()  # sum_b y_{b, c_b}
                 grads = torch.autograd.grad(score, weights)
-                tokens = weights[0].shape[-1]
-                r = torch.eye(tokens, device=device, dtype=dtype).expand(len(x), tokens, tokens)
-                for a, g in zip(weights, grads, strict=True):
-                    a_bar = (g * a.detach()).clamp(min=0).mean(dim=1)  # (B, T, T), eq. 5
-                    r = r + a_bar @ r  # eq. 6
-                maps.append(r[:, 0, -(grid * grid) :].cpu())  # the patches: last tokens
+                maps.append(relevance_rule(weights, grads, grid).cpu())
                 classes.append(c.cpu())
     finally:
         model.train(was_training)
-    relevance = rearrange(torch.cat(maps), "n (gh gw) -> n gh gw", gh=grid)
-    return relevance.float(), torch.cat(classes).to(torch.int64)
+    return torch.cat(maps).float(), torch.cat(classes).to(torch.int64)
+
+
+def relevance_rule(
+    weights: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], grid_size: int
+) -> torch.Tensor:
+    """Chefer, Gur and Wolf 2021, eq. 5-6, from each layer's attention weights ``A_l`` and
+    the gradient of the explained logit ``dy_c/dA_l``: ``R <- R + mean_h((dy_c/dA_l *
+    A_l)^+) R`` from ``R = I``, and the CLS row of ``R`` over the patches.
+
+    Args:
+        weights, grads: one (B, heads, tokens, tokens) tensor each per layer, in order.
+        grid_size: patches per image side (the patches are the last ``grid_size**2``
+            tokens).
+
+    Returns:
+        (B, grid_size, grid_size) relevance >= 0, on the tensors' device and in their dtype.
+    """
+    tokens = weights[0].shape[-1]
+    eye = torch.eye(tokens, device=weights[0].device, dtype=weights[0].dtype)
+    r = eye.expand(len(weights[0]), tokens, tokens)
+    for a, g in zip(weights, grads, strict=True):
+        a_bar = (g * a.detach()).clamp(min=0).mean(dim=1)  # (B, T, T), eq. 5
+        r = r + a_bar @ r  # eq. 6
+    patches = r[:, 0, -(grid_size**2) :]  # the patches: the last tokens
+    return rearrange(patches, "n (gh gw) -> n gh gw", gh=grid_size)
