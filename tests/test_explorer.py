@@ -307,7 +307,7 @@ def test_one_pass_of_the_model_per_input(explorer):
     a new query patch, layer or matrix head, and the colour scale, redraw without it."""
     model, x = explorer.model, an_image(explorer)
     batches = []
-    handle = model.blocks[0].register_forward_pre_hook(lambda m, i: batches.append(len(i[0])))
+    handle = model.patch_embed.register_forward_pre_hook(lambda m, i: batches.append(len(i[0])))
     try:
         e = explorer.explain(x, heads_off=[(1, 2)])
         assert batches == [2]

@@ -18,6 +18,7 @@ an argument (as Michel et al. 2019's gates xi_h, eq. 1), not a hook.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +66,8 @@ def head_outputs(
     Args:
         block: an encoder block (its ``norm1`` and ``attn`` are used, explicit path).
         x: (B, T, D) the block's input z_{l-1}.
-        gate: (h,) multipliers of the heads' outputs (1 on, 0 off), or None.
+        gate: (h,) multipliers of the heads' outputs (1 on, 0 off), one row per image
+            (B, h), or None.
 
     Returns:
         (B, h, T, D) ``head_i W^O_i`` (their sum plus ``attn.proj.bias`` is the attention
@@ -78,15 +80,34 @@ def head_outputs(
     w_o = rearrange(attn.proj.weight, "e (h d) -> h d e", h=attn.num_heads)  # W^O_i: (d_k, D)
     out = torch.einsum("bhtd,hde->bhte", heads, w_o)
     if gate is not None:
-        out = out * gate.to(out)[:, None, None]
+        out = out * gate.to(out)[..., None, None]
     return out, weights
 
 
-def check_head_mask(model: VisionTransformer, head_mask: torch.Tensor | None) -> None:
-    """Raise ValueError unless ``head_mask`` is None or (depth, max heads of a block)."""
+def head_mask(model: VisionTransformer, heads_off: Iterable[tuple[int, int]]) -> torch.Tensor:
+    """The head mask of :func:`run_components` that switches off ``heads_off``: a (depth,
+    max heads of a block) float32 tensor of 1s with 0 at each (layer, head) off.
+
+    Raises:
+        ValueError: a (layer, head) that ``model`` does not have (heads numbered within
+            their block, as in ``model``: a pruned block numbers its heads 0, 1, ...).
+    """
+    counts = [block.attn.num_heads for block in model.blocks]
+    mask = torch.ones(len(counts), max(counts))
+    for layer, head in heads_off:
+        if not (0 <= layer < len(counts) and 0 <= head < counts[layer]):
+            raise ValueError(f"no head {layer}:{head} in a model with heads {counts}")
+        mask[layer, head] = 0.0
+    return mask
+
+
+def check_head_mask(model: VisionTransformer, mask: torch.Tensor | None) -> None:
+    """Raise ValueError unless ``mask`` is None, (depth, max heads) or (B, depth, max heads)."""
     shape = (model.depth, max(b.attn.num_heads for b in model.blocks))
-    if head_mask is not None and tuple(head_mask.shape) != shape:
-        raise ValueError(f"head_mask of shape {tuple(head_mask.shape)}; this model needs {shape}")
+    if mask is not None and (mask.ndim not in (2, 3) or tuple(mask.shape[-2:]) != shape):
+        raise ValueError(
+            f"head_mask of shape {tuple(mask.shape)}; this model needs {shape} or (batch, *{shape})"
+        )
 
 
 def run_components(
@@ -102,8 +123,9 @@ def run_components(
     Args:
         model: a :class:`VisionTransformer` (distilled and pruned ones included).
         images: (B, C, H, W) float as the model takes them, on the model's device.
-        head_mask: (depth, max heads of a block) gates, 1 keeps a head and 0 removes its
-            output exactly (Michel et al. 2019, eq. 1); None keeps every head.
+        head_mask: (depth, max heads of a block) gates, or one such mask per image (B,
+            depth, max heads): 1 keeps a head and 0 removes its output exactly (Michel et
+            al. 2019, eq. 1); None keeps every head (:func:`head_mask` builds one).
 
     Returns:
         :class:`Components`; the logits equal ``model(images)`` to float rounding.
@@ -116,7 +138,7 @@ def run_components(
     c = Components(x, [], [], [], [], [], [], [], torch.empty(0))
     for layer, block in enumerate(model.blocks):
         h = block.attn.num_heads
-        gate = None if head_mask is None else head_mask[layer, :h]
+        gate = None if head_mask is None else head_mask[..., layer, :h]  # (h,) or (B, h)
         heads, weights = head_outputs(block, x, gate)
         mid = x + heads.sum(1) + block.attn.proj.bias  # eq. 2
         mlp = block.mlp(block.norm2(mid))

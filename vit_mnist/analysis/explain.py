@@ -2,10 +2,12 @@
 
 :func:`explain_image` is the explorer's one call per change of the page: the prediction,
 every layer's and head's attention, their entropy and mean attention distance, the
-rollout and the class relevance of a chosen class, computed with the functions that
-TensorBoard (:func:`~vit_mnist.analysis.attention.attention_report`) and ``predict.py``
-use, in one forward and backward pass; the heads switched off are a head mask given to
-that pass (the ablation of ``eval.py analysis=heads``), never set on the model.
+rollout, the class relevance of a chosen class, what each head writes into each class
+logit and the logit lens, computed with the functions that TensorBoard
+(:func:`~vit_mnist.analysis.attention.attention_report`), ``predict.py`` and ``eval.py
+analysis=circuits`` use, in one forward and backward pass; the heads switched off are a
+head mask given to that pass (the ablation of ``eval.py analysis=heads``), never set on
+the model.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from vit_mnist.analysis.attention import (
     cls_attention,
     mean_attention_distance,
 )
+from vit_mnist.analysis.components import head_grid, head_mask, run_components
+from vit_mnist.analysis.logit_attribution import attribution_of
+from vit_mnist.analysis.logit_lens import lens_logits
 from vit_mnist.analysis.relevance import relevance_rule
 from vit_mnist.models.vit import VisionTransformer
 
@@ -46,6 +51,15 @@ class ImageExplanation:
         target: the class ``relevance`` explains (the predicted one unless chosen).
         grid_size: patches per image side.
         heads_off: the (layer, head) pairs switched off, sorted.
+        attribution: (components, classes) float32, each component's direct contribution
+            to each class logit with the heads off (a head off gives 0; the rows of
+            :func:`~vit_mnist.analysis.logit_attribution.direct_logit_attribution`, the CLS
+            head's for a distilled model); the rows add up to the logits.
+        head_index: the rows of ``attribution`` that are heads, layer by layer.
+        head_grid: (depth, max heads) bool, where a block has that head (a pruned block
+            has fewer).
+        lens: (depth, classes) float32, the logit lens: the class probabilities read from
+            the CLS token after each block (with the heads off).
     """
 
     logits: torch.Tensor
@@ -60,36 +74,31 @@ class ImageExplanation:
     target: int
     grid_size: int
     heads_off: list[tuple[int, int]] = field(default_factory=list)
+    attribution: torch.Tensor | None = None
+    head_index: torch.Tensor | None = None
+    head_grid: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
 
     @property
     def predicted(self) -> int:
         """The class of highest probability, with the heads off."""
         return int(self.probs.argmax())
 
+    def head_attribution(self, a: int, b: int | None = None) -> torch.Tensor:
+        """(depth, max heads) float32: each head's direct contribution to logit ``a`` (or to
+        ``logit_a - logit_b``), NaN where a block lacks the head."""
+        values = self.attribution[self.head_index, a]
+        if b is not None:
+            values = values - self.attribution[self.head_index, b]
+        grid = torch.full(self.head_grid.shape, float("nan"))
+        grid[self.head_grid] = values
+        return grid
+
     def token_maps(self, layer: int, token: int) -> torch.Tensor:
         """(heads, grid, grid): where query ``token`` (see
         :func:`~vit_mnist.analysis.attention.cls_attention`) attends in ``layer``, per head,
         over the patches."""
         return cls_attention(self.weights[layer], self.grid_size, token)
-
-
-def head_gates(
-    model: VisionTransformer, heads_off: Iterable[tuple[int, int]]
-) -> list[torch.Tensor]:
-    """The head mask of :meth:`VisionTransformer.forward_with_attention` that switches off
-    ``heads_off``: per block, a (num_heads,) float32 tensor of 1s with 0 at each head off.
-
-    Raises:
-        ValueError: a (layer, head) that ``model`` does not have (heads numbered within
-            their block, as in ``model``: a pruned block numbers its heads 0, 1, ...).
-    """
-    counts = [block.attn.num_heads for block in model.blocks]
-    gates = [torch.ones(count) for count in counts]
-    for layer, head in heads_off:
-        if not (0 <= layer < len(counts) and 0 <= head < counts[layer]):
-            raise ValueError(f"no head {layer}:{head} in a model with heads {counts}")
-        gates[layer][head] = 0.0
-    return gates
 
 
 def explain_image(
@@ -101,14 +110,16 @@ def explain_image(
 ) -> ImageExplanation:
     """Run ``model`` on one image with ``heads_off`` zeroed and gather what the explorer shows.
 
-    One forward and one backward pass: the heads are switched off by the head mask that
-    :meth:`VisionTransformer.forward_with_attention` takes as an argument (each head's
+    One forward and one backward pass of :func:`run_components` (the model's own modules,
+    every head's output kept): the heads are switched off by its head mask (each head's
     output zeroed before ``W^O``, as ``eval.py analysis=heads``' :func:`heads_zeroed` does:
     Michel, Levy and Neubig 2019, eq. 1), and with heads off the image is run a second
     time in the same batch with every head on, for ``base_probs``. The attention
     statistics are :func:`attention_report`'s (:func:`attention_entropy`,
     :func:`mean_attention_distance`, :func:`attention_rollout`), the relevance is
-    :func:`class_relevance`'s rule (:func:`relevance_rule`) on the same pass.
+    :func:`class_relevance`'s rule (:func:`relevance_rule`), the attribution
+    :func:`~vit_mnist.analysis.logit_attribution.direct_logit_attribution`'s and the lens
+    :func:`~vit_mnist.analysis.logit_lens.logit_lens`', all from that pass.
 
     Nothing of the call is left on ``model``, not even for its duration (no hook, no
     train/eval switch, no ``.grad``): calls with different heads off may share one model
@@ -136,27 +147,30 @@ def explain_image(
     if torch.is_inference_mode_enabled():
         raise RuntimeError("explain_image needs gradients; call it outside torch.inference_mode")
     heads_off = sorted(set(heads_off))
-    gates = head_gates(model, heads_off)
+    mask = head_mask(model, heads_off)[None]
     classes = model.head.out_features
     if target is not None and not 0 <= target < classes:
         raise ValueError(f"target class {target} is outside 0..{classes - 1}")
     parameter = next(model.parameters())
     if heads_off:  # row 0 with the heads off, row 1 with every head on
-        gates = [torch.stack([g, torch.ones_like(g)]) for g in gates]
+        mask = torch.cat([mask, torch.ones_like(mask)])
         x = torch.cat([x, x])
     # A leaf of its own (not the caller's tensor) that requires grad: the graph exists even
     # when the parameters are frozen; only the attention weights' gradients are taken.
     x = x.to(parameter.device, parameter.dtype).detach().requires_grad_(True)
     with torch.enable_grad(), torch.autocast(parameter.device.type, enabled=False):
-        logits, weights = model.forward_with_attention(x, [g.to(x) for g in gates])
-        explained = int(logits[0].argmax()) if target is None else int(target)
-        grads = torch.autograd.grad(logits[0, explained], weights)
+        c = run_components(model, x, head_mask=mask.to(x))
+        explained = int(c.logits[0].argmax()) if target is None else int(target)
+        grads = torch.autograd.grad(c.logits[0, explained], c.weights)
+    with torch.no_grad():
+        attribution = attribution_of(model, c)
+        lens = lens_logits(model, c)[0].float().softmax(-1).cpu()
     grid, patch = model.patch_embed.grid_size, model.patch_embed.patch_size
-    relevance = relevance_rule([w[:1] for w in weights], [g[:1] for g in grads], grid)
-    weights = [w[:1].detach().float().cpu() for w in weights]
-    probs = logits.detach().float().cpu().softmax(dim=-1)
+    relevance = relevance_rule([w[:1] for w in c.weights], [g[:1] for g in grads], grid)
+    weights = [w[:1].detach().float().cpu() for w in c.weights]
+    probs = c.logits.detach().float().cpu().softmax(dim=-1)
     return ImageExplanation(
-        logits=logits[0].detach().float().cpu(),
+        logits=c.logits[0].detach().float().cpu(),
         probs=probs[0],
         base_probs=probs[-1],
         weights=[w[0] for w in weights],
@@ -168,4 +182,8 @@ def explain_image(
         target=explained,
         grid_size=grid,
         heads_off=heads_off,
+        attribution=attribution.contributions[0].float().cpu(),
+        head_index=attribution.head_index,
+        head_grid=head_grid(model, torch.ones(len(attribution.head_index))).isfinite(),
+        lens=lens,
     )

@@ -103,6 +103,29 @@ def _through_head(
     return out, head(norm(final))
 
 
+def attribution_of(model: VisionTransformer, c: Components) -> LogitAttribution:
+    """The direct logit attribution of one forward pass's components
+    (:func:`~vit_mnist.analysis.components.run_components`, whose head mask it follows: a
+    head switched off contributes 0), on their device and in their autograd graph."""
+    names, where = _components(model)
+    contributions, logits = _through_head(model, c, 0, model.head)
+    dist = (None, None)
+    if model.head_dist is not None:
+        dist = _through_head(model, c, 1, model.head_dist)
+    return LogitAttribution(
+        names=names,
+        contributions=contributions,
+        logits=logits,
+        contributions_dist=dist[0],
+        logits_dist=dist[1],
+        head_index=torch.tensor([i for i, (_, h) in enumerate(where) if h is not None]),
+        mlp_index=torch.tensor(
+            [i for i, (layer, h) in enumerate(where) if layer is not None and h is None]
+        ),
+        where=where,
+    )
+
+
 @torch.no_grad()
 def direct_logit_attribution(
     model: VisionTransformer, images: torch.Tensor, *, batch_size: int = 500
@@ -124,36 +147,32 @@ def direct_logit_attribution(
     Returns:
         :class:`LogitAttribution`, tensors on the CPU.
     """
-    names, where = _components(model)
     parameter = next(model.parameters())
     was_training = model.training
     model.eval()
-    parts: dict[str, list[torch.Tensor]] = {"c": [], "y": [], "cd": [], "yd": []}
+    parts = []
     try:
         with torch.autocast(parameter.device.type, enabled=False):
             for start in range(0, len(images), batch_size):
                 x = images[start : start + batch_size].to(parameter.device, parameter.dtype)
-                c = run_components(model, x)
-                out, logits = _through_head(model, c, 0, model.head)
-                parts["c"].append(out.float().cpu())
-                parts["y"].append(logits.float().cpu())
-                if model.head_dist is not None:
-                    out, logits = _through_head(model, c, 1, model.head_dist)
-                    parts["cd"].append(out.float().cpu())
-                    parts["yd"].append(logits.float().cpu())
+                parts.append(attribution_of(model, run_components(model, x)))
     finally:
         model.train(was_training)
+
+    def cat(name: str) -> torch.Tensor | None:
+        values = [getattr(p, name) for p in parts]
+        return None if values[0] is None else torch.cat(values).float().cpu()
+
+    first = parts[0]
     return LogitAttribution(
-        names=names,
-        contributions=torch.cat(parts["c"]),
-        logits=torch.cat(parts["y"]),
-        contributions_dist=torch.cat(parts["cd"]) if parts["cd"] else None,
-        logits_dist=torch.cat(parts["yd"]) if parts["yd"] else None,
-        head_index=torch.tensor([c for c, (_, h) in enumerate(where) if h is not None]),
-        mlp_index=torch.tensor(
-            [c for c, (lyr, h) in enumerate(where) if lyr is not None and h is None]
-        ),
-        where=where,
+        names=first.names,
+        contributions=cat("contributions"),
+        logits=cat("logits"),
+        contributions_dist=cat("contributions_dist"),
+        logits_dist=cat("logits_dist"),
+        head_index=first.head_index,
+        mlp_index=first.mlp_index,
+        where=first.where,
     )
 
 

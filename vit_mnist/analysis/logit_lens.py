@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vit_mnist.analysis.components import run_components
+from vit_mnist.analysis.components import Components, run_components
 from vit_mnist.models.vit import VisionTransformer
 
 
@@ -53,6 +53,12 @@ class LogitLens:
         return rows
 
 
+def lens_logits(model: VisionTransformer, c: Components) -> torch.Tensor:
+    """(B, depth, K): the head's reading of the residual stream after each block of one
+    forward pass (:func:`~vit_mnist.analysis.components.run_components`)."""
+    return torch.stack([model.forward_head(model.norm(z)) for z in c.resid_post], dim=1)
+
+
 @torch.no_grad()
 def logit_lens(
     model: VisionTransformer,
@@ -83,9 +89,7 @@ def logit_lens(
         with torch.autocast(parameter.device.type, enabled=False):
             for start in range(0, len(images), batch_size):
                 x = images[start : start + batch_size].to(parameter.device, parameter.dtype)
-                c = run_components(model, x)
-                per_layer = [model.forward_head(model.norm(z)) for z in c.resid_post]
-                readings.append(torch.stack(per_layer, dim=1).float().cpu())  # (B, L, K)
+                readings.append(lens_logits(model, run_components(model, x)).float().cpu())
     finally:
         model.train(was_training)
     logits = torch.cat(readings)

@@ -88,8 +88,7 @@ class MultiHeadSelfAttention(nn.Module):
             Fixed at construction. ``need_weights=True`` always runs the explicit path.
 
     Shapes:
-        input ``x``: (batch, tokens, embed_dim), float32 / bfloat16 / float16; optional
-        ``head_mask`` (num_heads,) or (batch, num_heads), see :meth:`forward`.
+        input ``x``: (batch, tokens, embed_dim), float32 / bfloat16 / float16.
         output: (batch, tokens, embed_dim), same dtype; with ``need_weights=True`` also the
         attention weights (batch, num_heads, tokens, tokens), rows summing to 1, in float32
         under autocast, else in the input's dtype.
@@ -135,16 +134,11 @@ class MultiHeadSelfAttention(nn.Module):
         self.proj_dropout = nn.Dropout(proj_dropout)
 
     def forward(
-        self, x: torch.Tensor, need_weights: bool = False, head_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, need_weights: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``head_mask``: the heads' gates xi_h, (h,) or one row per image (B, h); each
-        head's output is multiplied by its gate before ``W^O`` (Michel, Levy and Neubig
-        2019, eq. 1), so 0 removes the head exactly. None: every gate 1."""
         qkv = self.qkv(x)  # (B, T, 3*h*d_k): X W^Q, X W^K, X W^V for all heads at once
         q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, h=self.num_heads)
         heads, weights = self.attention(q, k, v, need_weights)  # (B, h, T, d_k): head_i
-        if head_mask is not None:
-            heads = heads * head_mask.to(heads.dtype).view(-1, self.num_heads, 1, 1)  # xi_h head_i
         out = rearrange(heads, "b h t d -> b t (h d)")  # Concat(head_1, ..., head_h)
         out = self.proj_dropout(self.proj(out))  # ... W^O
         return (out, weights) if need_weights else out

@@ -15,8 +15,6 @@ teacher's hard labels (vit_mnist/distillation.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -82,7 +80,6 @@ class EncoderBlock(nn.Module):
 
     Shapes: (batch, tokens, embed_dim) -> (batch, tokens, embed_dim); with
     ``need_weights=True`` also the attention weights (batch, num_heads, tokens, tokens).
-    ``head_mask``: the attention heads' gates, see :meth:`MultiHeadSelfAttention.forward`.
     """
 
     def __init__(
@@ -120,9 +117,9 @@ class EncoderBlock(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, need_weights: bool = False, head_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, need_weights: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        attn_out = self.attn(self.norm1(x), need_weights=need_weights, head_mask=head_mask)
+        attn_out = self.attn(self.norm1(x), need_weights=need_weights)
         attn_out, weights = attn_out if need_weights else (attn_out, None)
         x = x + self.drop_path(attn_out)  # z'_l = MSA(LN(z_{l-1})) + z_{l-1}   (eq. 2)
         x = x + self.drop_path(self.mlp(self.norm2(x)))  # z_l = MLP(LN(z'_l)) + z'_l  (eq. 3)
@@ -294,30 +291,18 @@ class VisionTransformer(nn.Module):
         """Images (B, C, H, W) -> logits (B, num_classes)."""
         return self.forward_head(self.forward_features(x))
 
-    def forward_with_attention(
-        self, x: torch.Tensor, head_mask: Sequence[torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward_with_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits and every block's attention weights, via the explicit path.
 
         Works whatever ``attention_impl`` the model was built with.
 
-        Args:
-            x: images (B, C, H, W).
-            head_mask: per block, its heads' gates (block's num_heads,) or (B, num_heads):
-                each head's output times its gate before ``W^O`` (0 switches the head off,
-                Michel et al. 2019, eq. 1); an argument of this call, so that calls with
-                different masks can share the model at the same time. None: every gate 1.
-
         Returns:
             logits (B, num_classes) and a list of ``depth`` tensors, each
-            (B, block's num_heads, tokens, tokens), rows summing to 1 (a head's weights
-            are computed whatever its gate).
+            (B, block's num_heads, tokens, tokens), rows summing to 1.
         """
         x = self.embed(x)
         weights = []
-        for i, block in enumerate(self.blocks):
-            x, w = block(
-                x, need_weights=True, head_mask=None if head_mask is None else head_mask[i]
-            )
+        for block in self.blocks:
+            x, w = block(x, need_weights=True)
             weights.append(w)
         return self.forward_head(self.norm(x)), weights
