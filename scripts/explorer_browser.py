@@ -269,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         page.locator("#matrix-head input").click()
         page.get_by_role("option", name="head 1").click()
         wait_for_picture(page, "matrix", "")
+        # The logit lens is drawn by the browser (an SVG line plot) after the data arrive.
+        page.wait_for_function("() => document.querySelectorAll('#lens .mark-line path').length")
         page.wait_for_timeout(2000)  # the other pictures' loading
         png = page.screenshot(full_page=True)
     load_after = os.getloadavg()[0]

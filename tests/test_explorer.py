@@ -26,6 +26,7 @@ from tests.test_predict import draw_digit
 from vit_mnist import explorer as explorer_module
 from vit_mnist.analysis.attention import attention_report, cls_attention
 from vit_mnist.analysis.heads import heads_switched_off, heads_zeroed
+from vit_mnist.analysis.logit_attribution import direct_logit_attribution
 from vit_mnist.analysis.pruning import prune_heads
 from vit_mnist.analysis.relevance import class_relevance
 from vit_mnist.analysis.roles import ROLE_COLUMNS
@@ -348,8 +349,38 @@ def test_pictures_explain_themselves(explorer, page):
     # Titles above the pictures (Gradio's label covers a picture's top left corner), and
     # a text for screen readers.
     pictures = components(page, "Image")
-    assert len(pictures) == 6
+    assert len(pictures) == 7
     assert all(not p.show_label and len(p.alt_text or "") > 30 for p in pictures)
+
+
+def test_what_each_head_writes_is_its_direct_logit_attribution(explorer):
+    """The panel beside the model view: each head's direct logit attribution, the same as
+    eval.py analysis=circuits computes; a head switched off writes nothing, and the rows
+    then add up to the logits of the model with that head zeroed as eval.py does."""
+    model, x = explorer.model, an_image(explorer)
+    view = explorer.view(x)
+    e = view.explanation
+    torch.testing.assert_close(
+        e.attribution, direct_logit_attribution(model, x).contributions[0], atol=1e-5, rtol=0
+    )
+    off = explorer.view(x, heads_off=[(1, 2)])
+    with torch.no_grad(), heads_switched_off(model, [(1, 2)]):
+        zeroed = model(x)[0]
+    torch.testing.assert_close(off.explanation.attribution.sum(0), zeroed, atol=1e-4, rtol=0)
+    grid = off.explanation.head_attribution(off.explanation.predicted)
+    assert grid[1, 2] == 0 and grid.abs().sum() > 0
+    assert not np.array_equal(off.writes, view.writes)
+    # "Why not a 9?": the margin over the class asked about, else the runner-up.
+    asked = explorer.view(x, target=(e.predicted + 1) % 10).explanation
+    margin = asked.head_attribution(e.predicted, (e.predicted + 1) % 10)
+    torch.testing.assert_close(
+        margin, e.head_attribution(e.predicted) - e.head_attribution((e.predicted + 1) % 10)
+    )
+    # The lens: after the last block, the model's own probabilities.
+    last = view.lens[view.lens["after block"] == len(model.blocks) - 1]
+    predicted = f"class {explorer.class_names[e.predicted]}"
+    top = float(last[last["class"] == predicted]["probability %"].iloc[0])
+    assert top == pytest.approx(100 * float(e.probs.max()), abs=1e-3)
 
 
 def test_nothing_on_the_page_misleads_or_fetches(explorer, page, monkeypatch):

@@ -56,11 +56,15 @@ def test_draw_clear_upload_and_switch_a_head_off(tmp_path):
             predicted = explorer.class_names[explorer.view(x).explanation.predicted]
             assert f"predicted: {predicted} (" in text, text
             picture = page.locator("#model-view img").get_attribute("src")
+            writes = page.locator("#writes img").get_attribute("src")
             page.locator("#heads-layer-1 label", has_text="head 2").click()
             text = wait_for_summary(page, "1 head off")
             off = explorer.view(x, heads_off=[(1, 2)]).explanation
             assert f"-> {100 * float(off.probs[off.base_probs.argmax()]):.1f}%" in text, text
             assert page.locator("#model-view img").get_attribute("src") != picture
+            # What each head writes: the head switched off changes the attribution shown.
+            assert page.locator("#writes img").get_attribute("src") not in (None, writes)
+            assert page.locator("#lens").is_visible()
             made = {Path(f) for files in served.temp_file_sets for f in files}
             # Gradio keeps the pictures the page is built with (the examples): the same
             # files at every start.

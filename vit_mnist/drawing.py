@@ -324,11 +324,13 @@ def _glyph(font: _Font, char: str) -> tuple[Image.Image, int]:
     return mask, advance
 
 
-def _fast_text(font: _Font, canvas: Image.Image, xy: tuple[int, int], text: str) -> None:
-    """Draw ``text`` in black from cached glyphs (no kerning): a page redrawn at every
-    input change sets the same few characters over and over, and FreeType's rendering of
-    each string costs milliseconds. Lines seen before are pasted whole."""
-    canvas.paste((0, 0, 0), xy, _line(font, text))
+def _fast_text(
+    font: _Font, canvas: Image.Image, xy: tuple[int, int], text: str, colour=(0, 0, 0)
+) -> None:
+    """Draw ``text`` (black by default) from cached glyphs (no kerning): a page redrawn at
+    every input change sets the same few characters over and over, and FreeType's rendering
+    of each string costs milliseconds. Lines seen before are pasted whole."""
+    canvas.paste(colour, xy, _line(font, text))
 
 
 @lru_cache(maxsize=2048)
@@ -604,3 +606,52 @@ def stack_pictures(
         _fast_text(font, heading, (0, 0), title)
         parts += [heading, Image.fromarray(picture.permute(1, 2, 0).numpy())]
     return _to_tensor(_stack(parts, pad=pad))
+
+
+def value_table(
+    values: torch.Tensor,
+    *,
+    row_labels: Sequence[str],
+    col_labels: Sequence[str],
+    limit: float,
+    off: torch.Tensor | None = None,
+    cell: tuple[int, int] = (46, 22),
+    cap_height: int = 8,
+) -> torch.Tensor:
+    """A (R, C) table of signed values as coloured cells with the value written in each
+    (``+0.85``): :func:`diverging` colours on the scale ``-limit`` .. ``+limit`` (red
+    positive, blue negative); ``off`` cells (R, C) bool are grey and say ``off``; NaN cells
+    (a head a pruned block lacks) are left white.
+
+    Returns:
+        (3, H, W) uint8.
+    """
+    font = _font(cap_height)
+    pad = max(2, font.cap_height // 2)
+    width, height = cell
+    left = max(_fast_width(font, t) for t in row_labels) + 2 * pad
+    top = font.line_height + pad
+    rows, cols = values.shape
+    canvas = Image.new("RGB", (left + cols * width, top + rows * height), "white")
+    colours = (diverging(values[None], limit)[0] * 255).round().to(torch.uint8)
+    for c, label in enumerate(col_labels):
+        _fast_text(
+            font, canvas, (left + c * width + (width - _fast_width(font, label)) // 2, 0), label
+        )
+    for r, label in enumerate(row_labels):
+        y = top + r * height
+        _fast_text(font, canvas, (pad, y + (height - font.line_height) // 2), label)
+        for c in range(cols):
+            value = float(values[r, c])
+            if math.isnan(value):
+                continue
+            is_off = off is not None and bool(off[r, c])
+            fill = (200, 200, 200) if is_off else tuple(colours[:, r, c].tolist())
+            box = (left + c * width + 1, y + 1, left + (c + 1) * width - 1, y + height - 1)
+            canvas.paste(fill, box)
+            text = "off" if is_off else f"{value:+.2f}"
+            x = left + c * width + (width - _fast_width(font, text)) // 2
+            dark = sum(fill) < 300  # white text on the deepest reds and blues
+            colour = (255, 255, 255) if dark else (0, 0, 0)
+            _fast_text(font, canvas, (x, y + (height - font.line_height) // 2), text, colour)
+    return _to_tensor(canvas)

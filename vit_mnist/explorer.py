@@ -47,6 +47,7 @@ from vit_mnist.drawing import (
     overlay,
     stack_pictures,
     tile_table,
+    value_table,
     with_colour_bar,
 )
 from vit_mnist.errors import (
@@ -164,7 +165,8 @@ def read_head_table(path: str | Path) -> tuple[list[str], list[list[Any]]]:
 class View:
     """What the page shows for one image and one choice of controls: pictures as
     (height, width, 3) uint8 arrays, texts, the numbers they were drawn from, and the
-    settings that reproduce them."""
+    settings that reproduce them. ``writes`` is each head's direct logit attribution,
+    ``lens`` the logit lens as a table (block, probability %, class) for a line plot."""
 
     explanation: ImageExplanation
     top: dict[str, float]
@@ -175,6 +177,8 @@ class View:
     matrix: np.ndarray | None
     rollout: np.ndarray
     relevance: np.ndarray
+    writes: np.ndarray
+    lens: Any
     settings: dict[str, Any] = field(default_factory=dict)
 
 
@@ -411,6 +415,10 @@ class Explorer:
                 ("relevance", e.relevance, f"relevance for class {names[e.target]}"),
             )
         }
+        # "Why not a 9?": the class asked about, else the runner-up.
+        others = e.probs.clone()
+        others[e.predicted] = -1
+        other = e.target if e.target != e.predicted else int(others.argmax())
         return View(
             explanation=e,
             top=top,
@@ -421,6 +429,8 @@ class Explorer:
             matrix=matrix,
             rollout=single["rollout"],
             relevance=single["relevance"],
+            writes=self._writes(e, e.predicted, other),
+            lens=self._lens(e, e.predicted, other),
             settings={
                 "heads_off": [f"{lyr}:{h}" for lyr, h in e.heads_off],
                 "target": None if target is None or target == PREDICTED else int(target),
@@ -480,6 +490,49 @@ class Explorer:
             picture = attention_matrix(w, names, cell=cell, low=lo, high=hi)
             matrix = _bar(picture, [w], lo, hi, "attention weight (row: query, column: key)")
         return _array(self._seen(image, token)), query_view, matrix
+
+    def _writes(self, e: ImageExplanation, a: int, b: int) -> np.ndarray:
+        """Each head's direct logit attribution (layers x heads, a switched-off head
+        marked): to class ``a``'s logit, and to ``logit_a - logit_b``, with a colour bar."""
+        names = self.class_names
+        tables = [e.head_attribution(a), e.head_attribution(a, b)]
+        finite = torch.cat([t[t.isfinite()] for t in tables]).abs()
+        limit = float(finite.max()) if finite.numel() and finite.max() > 0 else 1.0
+        off = torch.zeros(tables[0].shape, dtype=torch.bool)
+        for layer, h in e.heads_off:
+            off[layer, h] = True
+        labels = {
+            "row_labels": [f"layer {layer}" for layer in range(len(e.weights))],
+            "col_labels": [f"head {h}" for h in range(tables[0].shape[1])],
+        }
+        pictures = [value_table(t, limit=limit, off=off, **labels) for t in tables]
+        picture = stack_pictures(
+            pictures, [f"to logit {names[a]}", f"to logit {names[a]} - logit {names[b]}"]
+        )
+        return _array(
+            with_colour_bar(
+                picture,
+                low=f"-{limit:.2f}",
+                high=f"+{limit:.2f}",
+                caption="direct contribution, logits (red: for, blue: against)",
+                cmap="RdBu_r",
+            )
+        )
+
+    def _lens(self, e: ImageExplanation, a: int, b: int) -> Any:
+        """The logit lens of classes ``a`` and ``b``: a table of block, probability (%)
+        and class, for Gradio's line plot."""
+        import pandas as pd
+
+        blocks = list(range(len(e.lens)))
+        return pd.DataFrame(
+            {
+                "after block": blocks * 2,
+                "probability %": [100 * float(p) for c in (a, b) for p in e.lens[:, c]],
+                # Named, not bare digits, which the plot would read as numbers.
+                "class": [f"class {self.class_names[c]}" for c in (a, b) for _ in blocks],
+            }
+        )
 
     @staticmethod
     def _single(image: torch.Tensor, m: torch.Tensor, shared: bool, caption: str) -> np.ndarray:
@@ -569,6 +622,7 @@ class Explorer:
             (f"class relevance of {self.class_names[view.explanation.target]}", view.relevance),
             ("model view: the CLS token's attention, every layer and head", view.model_view),
             ("query view", view.query_view),
+            ("what each head writes: direct logit attribution", view.writes),
         ]
         if view.matrix is not None:
             panels.append(("attention matrix", view.matrix))
@@ -837,6 +891,33 @@ def build_page(explorer: Explorer):
                     "along both sides",
                     elem_id="matrix",
                 )
+        with gr.Row():
+            with gr.Column(scale=1):
+                gr.Markdown(
+                    "**What each head writes**: its output's direct contribution to the "
+                    "predicted class's logit, and to the margin over the class chosen above "
+                    "(else the runner-up): *why this class and not that one* (direct logit "
+                    "attribution, Elhage et al. 2021; `eval.py analysis=circuits` for the "
+                    "whole test set)"
+                )
+                writes = image(
+                    "two tables of layers by heads: each head's direct contribution to the "
+                    "predicted class's logit, and to its margin over the other class",
+                    elem_id="writes",
+                )
+            with gr.Column(scale=1):
+                gr.Markdown(
+                    "**Logit lens**: the two classes' probability read from the CLS token "
+                    "after each block (nostalgebraist 2020)"
+                )
+                lens = gr.LinePlot(
+                    x="after block",
+                    y="probability %",
+                    color="class",
+                    y_lim=[0, 100],
+                    show_label=False,
+                    elem_id="lens",
+                )
         if explorer.head_table is not None:
             headers, rows = explorer.head_table
             with gr.Accordion("heads by importance (eval.py analysis=heads or roles)", open=False):
@@ -854,6 +935,8 @@ def build_page(explorer: Explorer):
             "matrix": matrix,
             "rollout": rollout,
             "relevance": relevance,
+            "writes": writes,
+            "lens": lens,
         }
         queried = [seen, query_view, matrix]
 
