@@ -197,6 +197,7 @@ class VisionTransformer(nn.Module):
         stem_channels: tuple[int, ...] | list[int] = (32, 64),
     ) -> None:
         super().__init__()
+        stem_channels = list(stem_channels)  # a tuple, or a config's ListConfig
         arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         check_vit_args(**arguments)  # every constructor argument, by name
         self.img_size, self.in_chans = img_size, in_chans
