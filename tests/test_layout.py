@@ -41,18 +41,14 @@ LAYERS: list[tuple[str, list[str]]] = [
         ],
     ),
     ("models and data", ["vit_mnist.models", "vit_mnist.data"]),
-    (
-        "base",
-        [
-            "vit_mnist.io",
-            "vit_mnist.errors",
-            "vit_mnist.drawing",
-            "vit_mnist.console",
-            "vit_mnist.hardware",
-            "vit_mnist.speed",
-            "vit_mnist",
-        ],
-    ),
+    ("the settings schema", ["vit_mnist.settings"]),
+    ("errors", ["vit_mnist.errors"]),
+    ("pictures", ["vit_mnist.drawing"]),
+    ("console", ["vit_mnist.console"]),
+    ("hardware", ["vit_mnist.hardware"]),
+    ("the speed layer's cache", ["vit_mnist.speed"]),
+    ("files", ["vit_mnist.io"]),
+    ("the package", ["vit_mnist"]),
 ]
 
 
@@ -101,6 +97,47 @@ def test_imports_run_from_the_entry_points_down():
                     f"{module} ({LAYERS[mine][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
                 )
     assert not upward, "imports that run upwards:\n" + "\n".join(upward)
+
+
+def import_circles() -> list[list[str]]:
+    """The groups of modules that import each other, directly or through others (a
+    package's ``__init__`` re-exporting its own modules aside)."""
+    graph = {
+        m: [t for t in imported(p) if t != m and not t.startswith(m + ".")]
+        for m, p in package_modules().items()
+    }
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), list(graph.get(start, []))
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph.get(m, []))
+        return seen
+
+    reached = {m: reach(m) for m in graph}
+    circles = {
+        tuple(sorted(n for n in reached[m] if m in reached.get(n, ())))
+        for m in graph
+        if m in reached[m]
+    }
+    return sorted(map(list, circles))
+
+
+def test_no_module_imports_itself_through_others():
+    assert import_circles() == []
+
+
+def test_the_circle_check_catches_a_circle(monkeypatch, tmp_path):
+    # io importing errors again (errors imports io) would be a circle.
+    fake = tmp_path / "io.py"
+    fake.write_text("from vit_mnist.errors import ConfigError\n")
+    modules = package_modules()
+    monkeypatch.setattr(
+        "tests.test_layout.package_modules", lambda: {**modules, "vit_mnist.io": fake}
+    )
+    assert ["vit_mnist.errors", "vit_mnist.io"] in import_circles()
 
 
 def test_the_layer_check_catches_an_upward_import(tmp_path):

@@ -15,7 +15,7 @@ from tests.helpers import assert_same_values_and_gradients, count_applies, recor
 from vit_mnist.errors import ConfigError
 from vit_mnist.models.attention import MultiHeadSelfAttention
 from vit_mnist.models.vit import VisionTransformer
-from vit_mnist.speed import PATH_NAMES
+from vit_mnist.settings import PATH_NAMES
 from vit_mnist.speed import choose as choose_mod
 from vit_mnist.speed.choose import PATHS, Choice, candidates, choose, prepare_speed
 from vit_mnist.speed.forward import (

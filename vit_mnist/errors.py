@@ -16,6 +16,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from vit_mnist.io import WriteError, atomic_write_bytes
+
 log = logging.getLogger(__name__)
 
 
@@ -37,16 +39,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint path that is missing, unreadable or not a checkpoint of this project."""
 
 
-class WriteError(OSError):
-    """A file that cannot be written (full disk, no permission); the message names it and
-    says that the previous file, if there was one, is kept."""
-
-
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite; the message names the step and the LR."""
 
 
 # Errors whose message is the whole story: the command line prints one line, exits 2.
+# (WriteError is io's, the layer below, which writes every file.)
 USER_ERRORS = (ConfigError, DataError, CheckpointError, NonFiniteLossError, WriteError)
 
 
@@ -61,8 +59,6 @@ FAILED_FILE = "failed.json"
 def record_failure(job_dir: str | Path, message: str, kind: str) -> None:
     """Write ``<job_dir>/failed.json`` (``error``: ``message``, ``type``: ``kind``), the
     record of a sweep's job that failed, whichever process or machine ran it."""
-    from vit_mnist.io import atomic_write_bytes
-
     record = {"error": message, "type": kind}
     atomic_write_bytes(Path(job_dir) / FAILED_FILE, (json.dumps(record, indent=2) + "\n").encode())
 

@@ -23,9 +23,13 @@ from typing import Any
 
 import torch
 
-from vit_mnist.errors import WriteError
-
 log = logging.getLogger(__name__)
+
+
+class WriteError(OSError):
+    """A file that cannot be written (full disk, no permission); the message names it and
+    says that the previous file, if there was one, is kept. Reported in one line
+    (:data:`vit_mnist.errors.USER_ERRORS`)."""
 
 
 def printable_path(path: str | Path) -> str:

@@ -18,7 +18,6 @@ from vit_mnist.models import build_model
 from vit_mnist.models.vit import average_heads
 from vit_mnist.schedule import warmup_cosine
 from vit_mnist.settings import ModuleSettings, check_arguments
-from vit_mnist.speed.choose import PATHS
 
 RUN_INFO_KEY = "vit_mnist"
 
@@ -82,9 +81,10 @@ class ViTClassifier(L.LightningModule):
         )
         self.save_hyperparameters()
         self.net = build_model(model)
-        # The speed path's forward of self.net (vit_mnist.speed.choose.prepare_speed): a
-        # plain callable, not a module, so checkpoints hold net.* alone.
-        self.step_forward: Callable[..., Any] = PATHS["reference"].build(self.net)
+        # The training and test steps' forward of self.net: the model's own, unless the
+        # speed layer (vit_mnist.speed.choose.prepare_speed, called by train()) puts the
+        # path it chose here; a plain callable, not a module, so checkpoints hold net.* alone.
+        self.step_forward: Callable[..., Any] = self.reference_forward
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         # Loaded when fitting starts; outside the module tree, so not in the checkpoints.
         self.teacher: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -100,6 +100,11 @@ class ViTClassifier(L.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, 1, 28, 28) float -> logits (B, num_classes), by the reference model."""
         return self.net(x)
+
+    def reference_forward(self, x: torch.Tensor, heads: bool = False) -> Any:
+        """The model's own forward, as every speed path computes it: logits (B,
+        num_classes), or with ``heads`` a distilled ViT's two heads' logits."""
+        return self.net.forward_heads(self.net.forward_features(x)) if heads else self.net(x)
 
     def on_fit_start(self) -> None:
         path = self.hparams.teacher_ckpt

@@ -33,8 +33,10 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from vit_mnist.errors import ConfigError
-from vit_mnist.speed import PATH_NAMES
 
+# The speed paths' names, as ``speed.path`` takes them (with ``auto``): the keys of
+# :data:`vit_mnist.speed.choose.PATHS`, which reads them here.
+PATH_NAMES = ("reference", "fused", "handwritten", "compile", "native")
 PRECISIONS = ["32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true"]
 # Apple's MPS is not among them: the speed paths are timed and tested on CPUs and CUDA only.
 ACCELERATORS = ["auto", "cpu", "gpu", "cuda"]

@@ -6,10 +6,6 @@ call, :func:`~vit_mnist.speed.choose.prepare_speed`. docs/speed.md: where each p
 import os
 from pathlib import Path
 
-# The paths' names, as ``speed.path`` takes them (with ``auto``): the settings schema's
-# choices, and the keys of :data:`~vit_mnist.speed.choose.PATHS`.
-PATH_NAMES = ("reference", "fused", "handwritten", "compile", "native")
-
 
 def cache_root() -> Path:
     """Where the speed layer keeps the kernels it builds: ``$VIT_MNIST_CACHE``, else

@@ -22,7 +22,8 @@ from torch import nn
 from vit_mnist.errors import ConfigError
 from vit_mnist.hardware import describe_device, has_native_bf16, resolve_accelerator
 from vit_mnist.models.vit import VisionTransformer
-from vit_mnist.speed import PATH_NAMES, native
+from vit_mnist.settings import PATH_NAMES
+from vit_mnist.speed import native
 from vit_mnist.speed.forward import add_norm, handwritten_backward_core, sdpa_core, vit_forward
 
 log = logging.getLogger(__name__)
