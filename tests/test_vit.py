@@ -71,25 +71,36 @@ def test_overfits_one_small_batch():
     assert (model(x).argmax(-1) == y).all()
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "words"),
-    [
-        ({"embed_dim": 64, "num_heads": 3}, ["embed_dim=64", "num_heads=3"]),
-        ({"patch_size": 5}, ["patch_size=5", "img_size=28", "[1, 2, 4, 7, 14, 28]"]),
-        ({"patch_size": 0}, ["patch_size=0"]),
-        ({"depth": 0}, ["depth=0"]),
-        ({"mlp_ratio": -1.0}, ["mlp_ratio=-1.0"]),
-        ({"dropout": 1.5}, ["dropout=1.5"]),
-        ({"attention_impl": "flash"}, ["attention_impl=flash", "explicit"]),
-    ],
-)
-@pytest.mark.parametrize("build", [True, False], ids=["constructor", "check_model_args"])
-def test_impossible_shapes_raise_value_error_naming_values(kwargs, words, build):
+SHAPES = [  # combinations: the constructor checks them too
+    ({"embed_dim": 64, "num_heads": 3}, ["embed_dim=64", "num_heads=3"]),
+    ({"patch_size": 5}, ["patch_size=5", "img_size=28", "[1, 2, 4, 7, 14, 28]"]),
+]
+RANGES = [  # one value's range: the settings schema's, which the constructor does not re-run
+    ({"patch_size": 0}, ["model.patch_size=0", ">= 1"]),
+    ({"depth": 0}, ["model.depth=0"]),
+    ({"mlp_ratio": -1.0}, ["model.mlp_ratio=-1.0"]),
+    ({"dropout": 1.5}, ["model.dropout=1.5", "[0, 1)"]),
+    ({"attention_impl": "flash"}, ["model.attention_impl=flash", "explicit"]),
+    ({"stem": "resnet"}, ["model.stem=resnet", "'conv'"]),
+    ({"num_heads": -2}, ["model.num_heads=-2", "positive integer"]),
+    ({"embed_dim": 0}, ["model.embed_dim=0", ">= 1"]),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "words"), SHAPES)
+def test_the_constructor_refuses_impossible_shapes_naming_values(kwargs, words):
+    with pytest.raises(ConfigError) as info:
+        VisionTransformer(**kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+@pytest.mark.parametrize(("kwargs", "words"), SHAPES + RANGES)
+def test_check_model_args_refuses_shapes_and_ranges_naming_values(kwargs, words):
     # check_model_args (train's check before any data is loaded) takes the values left out
     # from the constructor: img_size=28, num_heads=4.
-    with pytest.raises(ValueError) as info:
-        VisionTransformer(**kwargs) if build else check_model_args(kwargs)
-    assert isinstance(info.value, ConfigError)
+    with pytest.raises(ConfigError) as info:
+        check_model_args(kwargs)
     for word in words:
         assert word in str(info.value)
 

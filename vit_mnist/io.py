@@ -19,9 +19,10 @@ import secrets
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # io is imported by errors, which the command line reads before torch
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
+    if hasattr(value, "numel"):  # a torch tensor
         value = value.item() if value.numel() == 1 else value.tolist()
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)

@@ -17,7 +17,6 @@ from vit_mnist.errors import NonFiniteLossError
 from vit_mnist.models import build_model
 from vit_mnist.models.vit import average_heads
 from vit_mnist.schedule import warmup_cosine
-from vit_mnist.settings import ModuleSettings, check_arguments
 
 RUN_INFO_KEY = "vit_mnist"
 
@@ -54,9 +53,11 @@ class ViTClassifier(L.LightningModule):
     fractions in [0, 1]); with ``test_time_shift`` > 0 also ``test/acc_one_view``, the
     accuracy of the unshifted image alone.
 
+    Each value's type and range is the settings schema's (``ModuleSettings``), checked
+    with the whole config before anything is built.
+
     Raises:
-        ConfigError: a value that ``ModuleSettings`` (vit_mnist/settings.py) refuses, named
-            as its ``module.*`` key, or :func:`~vit_mnist.models.checks.check_vit_args`.
+        ConfigError: an impossible model, see :func:`~vit_mnist.models.checks.check_vit_args`.
     """
 
     def __init__(
@@ -73,12 +74,6 @@ class ViTClassifier(L.LightningModule):
         teacher_ckpt: str | None = None,
     ) -> None:
         super().__init__()
-        # Each value's type and range: the schema's (ModuleSettings), named as in configs.
-        check_arguments(
-            ModuleSettings,
-            {k: v for k, v in locals().items() if k not in ("self", "model", "__class__")},
-            prefix="module.",
-        )
         self.save_hyperparameters()
         self.net = build_model(model)
         # The training and test steps' forward of self.net: the model's own, unless the

@@ -1,36 +1,35 @@
-"""The schema of every setting of train, eval, predict and export, checked before any work.
+"""The schema of every setting of train, eval, predict, export and explore, checked before
+any work.
 
-Each entry point's settings are a tree of dataclasses. A field's type is its annotation;
-its range, choices or own check sit beside it in the field's ``metadata`` (``_setting``);
-this module is the one place where they are written, and :func:`check_settings` (a whole
-config) and :func:`check_arguments` (a constructor called from Python, such as
-``VisionTransformer``) are the one code that applies them. Keys that no dataclass declares
-are refused by name with the nearest declared key. Sections that a library builds (each
-with a ``_target_``) are also checked against the signature of that class, so
-``+trainer.gradient_clip_val=1.0`` works and ``+trainer.gradient_clip=1.0`` is refused by
-name. The defaults stay in ``configs/``: a field here is ``MISSING`` and says only what a
-value may be.
+Each entry point's settings are a tree of pydantic (v2) models: a field's type, range
+(``Field(ge=..., lt=...)``), choices (``Literal``) and example (``Field(examples=[...])``)
+are written here once, and pydantic checks them, strictly (``"1"`` is not a number, ``1.5``
+not a whole number) and refusing undeclared keys. This module only turns pydantic's first
+error, told apart by its error ``type``, into the project's one line naming the key, the
+value and the fix, and adds what pydantic cannot know: the nearest declared key for an
+unknown one, and, for a section built by a library (with a ``_target_``), that every key is
+an argument of that class (``+trainer.gradient_clip_val=1.0`` passes, ``+trainer.
+gradient_clip=1.0`` does not). The defaults stay in ``configs/``: a key the config leaves
+out is not checked.
 
-Combinations that need more than one value, or the machine (patch size against image
-size, heads against width, the model against the dataset, the batch against the dataset,
-precision against the device), are checked after this: the model's in
+Combinations that need more than one value or the machine (patch size against image size,
+heads against width, the model against the dataset, the batch against the dataset,
+precision against the device) are checked after this: the model's in
 ``vit_mnist.models.checks``, the run's in ``vit_mnist.train.check_config``.
 """
 
 from __future__ import annotations
 
 import difflib
-import functools
 import importlib
 import inspect
-import types
 import typing
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from vit_mnist.errors import ConfigError
 
@@ -43,396 +42,361 @@ ACCELERATORS = ["auto", "cpu", "gpu", "cuda"]
 # What a hyper-parameter search (configs/hparams_search/) may optimise, and which way:
 # validation figures only, so that the test set stays unseen until a recipe is chosen.
 SEARCH_METRICS = {"val/acc_best": "maximize", "val/acc": "maximize", "val/loss": "minimize"}
-
-
-def _setting(
-    *,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-    choices: Sequence[Any] | None = None,
-    check: Callable[[Any], str | None] | None = None,
-    each: bool = False,
-    length: int | None = None,
-    example: str | None = None,
-) -> Any:
-    """A field whose value comes from the YAML; ``metadata`` holds what it may be.
-
-    ``each``: the bounds apply to every item of a list. ``check``: a function of the value
-    that returns what is wrong, or None. ``example``: a valid ``key=value`` for the fix.
-    """
-    meta = dict(ge=ge, gt=gt, le=le, lt=lt, choices=choices, check=check, each=each)
-    return field(default=MISSING, metadata={**meta, "length": length, "example": example})
-
-
-def _positive_ints(value: Any) -> str | None:
-    items = value if isinstance(value, (list, tuple)) else [value]
-    if all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in items):
-        return None
-    return "must be a positive integer, or one per block such as [2, 4, 4, 8]"
-
-
-def _batches(value: Any) -> str | None:
-    # Lightning: an int is a number of batches, a float a fraction of the epoch.
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return "must be a number of batches (int) or a fraction of the epoch (float)"
-    if isinstance(value, float) and not 0.0 <= value <= 1.0:
-        return "as a fraction of the epoch must be in [0, 1]; a number of batches is an int"
-    if value < 0:
-        return "must be >= 0"
-    return None
-
-
-def _devices(value: Any) -> str | None:
-    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return None
-    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
-        return None
-    return "must be auto, a number of devices >= 1, or a list of device indices"
-
-
-def _precision(value: Any) -> str | None:
-    if value is None or str(value) in ["auto", *PRECISIONS]:
-        return None
-    return f"is not a precision; use one of {['auto', *PRECISIONS]}"
-
-
-def _images(value: Any) -> str | None:
-    if isinstance(value, str) or (
-        isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value)
-    ):
-        return None
-    return "must be a file, a folder, or a list of them: images=digit.png or images=[a.png,b.png]"
-
-
-def _pictures(value: Any) -> str | None:
-    if value == "all" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-        return None
-    return "must be a number of images >= 0 (the first ones get pictures) or all"
-
-
-@dataclass
-class SpeedSettings:
-    path: str = _setting(choices=["auto", *PATH_NAMES], example="speed.path=auto")
-    compile: bool = _setting()
-
-
 # MNIST digits are size-normalised into a 20 x 20 box centred in the 28 x 28 frame (LeCun
 # et al., the MNIST page), leaving 4 pixels on each side: a test-time shift of at most 4
-# keeps the whole digit inside the frame; more pushes strokes out and averages copies
-# that are mostly border (issue 55: 98.4% reported as 12.7% at 100 pixels).
+# keeps the whole digit inside the frame (issue 55: 98.4% reported as 12.7% at 100 pixels).
 MAX_TEST_TIME_SHIFT = 4
+# scripts/export.py's formats and the file suffix each writes.
+EXPORT_FORMATS = {"onnx": ".onnx", "torchscript": ".pt"}
 
 
-def _test_time_shift(key: str) -> Any:
-    return _setting(ge=0, le=MAX_TEST_TIME_SHIFT, example=f"{key}=1")
+def _f(example: str | None = None, **bounds: float) -> Any:
+    """A field the YAML sets (None: left out, not checked), with its bounds and example."""
+    return Field(None, examples=[example] if example else None, **bounds)
+
+
+def _checked(problem: Callable[[Any], str | None]) -> Any:
+    """The type of a value that ``problem(value)`` checks: what is wrong, or None."""
+
+    def check(value: Any) -> Any:
+        if said := problem(value):
+            raise ValueError(said)
+        return value
+
+    return Annotated[Any, AfterValidator(check)]
+
+
+def _is_count(v: Any, least: int = 1) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+@_checked
+def Heads(v: Any) -> str | None:  # noqa: N802 - a type, named as one
+    if not all(map(_is_count, v if isinstance(v, list) else [v])):
+        return "must be a positive integer, or one per block such as [2, 4, 4, 8]"
+
+
+@_checked
+def Devices(v: Any) -> str | None:  # noqa: N802
+    if not (
+        v == "auto" or _is_count(v) or isinstance(v, list) and all(map(_is_count, v, [0] * len(v)))
+    ):
+        return "must be auto, a number of devices >= 1, or a list of device indices"
+
+
+@_checked
+def Precision(v: Any) -> str | None:  # noqa: N802
+    if v is not None and str(v) not in ["auto", *PRECISIONS]:
+        return f"is not a precision; use one of {['auto', *PRECISIONS]}"
+
+
+@_checked
+def Batches(v: Any) -> str | None:  # noqa: N802
+    # Lightning: an int is a number of batches, a float a fraction of the epoch.
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return "must be a number of batches (int) or a fraction of the epoch (float)"
+    if isinstance(v, float) and not 0.0 <= v <= 1.0:
+        return "as a fraction of the epoch must be in [0, 1]; a number of batches is an int"
+    return "must be >= 0" if v < 0 else None
+
+
+@_checked
+def Images(v: Any) -> str | None:  # noqa: N802
+    if not (isinstance(v, str) or isinstance(v, list) and v and all(isinstance(i, str) for i in v)):
+        return (
+            "must be a file, a folder, or a list of them: images=digit.png or images=[a.png,b.png]"
+        )
+
+
+@_checked
+def Pictures(v: Any) -> str | None:  # noqa: N802
+    if v != "all" and not _is_count(v, 0):
+        return "must be a number of images >= 0 (the first ones get pictures) or all"
+
+
+@_checked
+def ClassPairs(v: Any) -> str | None:  # noqa: N802
+    pairs = v if isinstance(v, list) and v else [None]
+    if v is not None and not all(
+        isinstance(p, list) and len(p) == 2 and p[0] != p[1] and all(_is_count(c, 0) for c in p)
+        for p in pairs
+    ):
+        return (
+            "must be null (the checkpoint's most confused pairs) or a list of [clean, "
+            "corrupted] pairs of two different classes, such as [[4,9],[7,2]]"
+        )
 
 
 def _seed(key: str = "seed", below: int = 2**32) -> Any:
     # seed_everything seeds numpy too, whose seeds are < 2**32; a torch.Generator (the data
     # splits) takes any 64-bit seed.
-    return _setting(ge=0, lt=below, example=f"{key}=1")
+    return _f(f"{key}=1", ge=0, lt=below)
 
 
 def _rate(key: str) -> Any:
     """A probability that must leave something: dropout 1 would zero everything."""
-    return _setting(ge=0, lt=1, example=f"{key}=0.1")
+    return _f(f"{key}=0.1", ge=0, lt=1)
 
 
-@dataclass
-class ModelSettings:
+def _shift(key: str) -> Any:
+    return _f(f"{key}=1", ge=0, le=MAX_TEST_TIME_SHIFT)
+
+
+class Section(BaseModel):
+    """A section of settings: only declared keys, each of its type, strictly."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class Built(Section):
+    """A section a library builds from its ``_target_`` (Hydra's ``instantiate``)."""
+
+    target: str = Field(None, alias="_target_")
+
+
+class OpenBuilt(Built):
+    """A built section that takes any other argument of its ``_target_``, checked by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class SpeedSettings(Section):
+    path: Literal[("auto", *PATH_NAMES)] = _f("speed.path=auto")
+    compile: bool = _f()
+
+
+class ModelSettings(Section):
     """``VisionTransformer``'s arguments (vit_mnist/models/vit.py), or with ``arch=cnn`` the
-    convnet teacher's (vit_mnist/models/cnn.py). Their constructors check them here
-    (:func:`check_arguments`); ``patch_size`` dividing ``img_size`` and ``num_heads``
-    dividing ``embed_dim`` are combinations (vit_mnist/models/checks.py)."""
+    convnet teacher's (vit_mnist/models/cnn.py); ``patch_size`` dividing ``img_size`` and
+    ``num_heads`` dividing ``embed_dim`` are combinations (vit_mnist/models/checks.py)."""
 
     # The network: the Vision Transformer, or the convnet teacher of a distillation
     # (vit_mnist/models/cnn.py, which takes img_size, in_chans and num_classes only).
-    arch: str = _setting(choices=["vit", "cnn"], example="model=cnn")
-    img_size: int = _setting(ge=1, example="model.img_size=28")
-    in_chans: int = _setting(ge=1, example="model.in_chans=1")
-    num_classes: int = _setting(ge=2, example="model.num_classes=10")
-    patch_size: int = _setting(ge=1, example="model.patch_size=7")
-    embed_dim: int = _setting(ge=1, example="model.embed_dim=64")
-    depth: int = _setting(ge=1, example="model.depth=6")
-    num_heads: Any = _setting(check=_positive_ints, example="model.num_heads=4")
-    head_dim: int | None = _setting(ge=1, example="model.head_dim=16")
-    mlp_ratio: float = _setting(gt=0, example="model.mlp_ratio=2.0")
+    arch: Literal["vit", "cnn"] = _f("model=cnn")
+    img_size: int = _f("model.img_size=28", ge=1)
+    in_chans: int = _f("model.in_chans=1", ge=1)
+    num_classes: int = _f("model.num_classes=10", ge=2)
+    patch_size: int = _f("model.patch_size=7", ge=1)
+    embed_dim: int = _f("model.embed_dim=64", ge=1)
+    depth: int = _f("model.depth=6", ge=1)
+    num_heads: Heads = _f("model.num_heads=4")
+    head_dim: int | None = _f("model.head_dim=16", ge=1)
+    mlp_ratio: float = _f("model.mlp_ratio=2.0", gt=0)
     dropout: float = _rate("model.dropout")
     attn_dropout: float = _rate("model.attn_dropout")
     # "auto" is what checkpoints of earlier versions stored: it runs the explicit path.
-    attention_impl: str = _setting(
-        choices=["explicit", "fused", "auto"], example="model.attention_impl=explicit"
-    )
-    causal: bool = _setting()
-    qkv_bias: bool = _setting()
+    attention_impl: Literal["explicit", "fused", "auto"] = _f("model.attention_impl=explicit")
+    causal: bool = _f()
+    qkv_bias: bool = _f()
     drop_path_rate: float = _rate("model.drop_path_rate")
-    distillation: bool = _setting()
-    stem: str = _setting(choices=["patch", "conv"], example="model.stem=conv")
-    stem_channels: list[int] = _setting(ge=1, each=True, example="model.stem_channels=[32,64]")
+    distillation: bool = _f()
+    stem: Literal["patch", "conv"] = _f("model.stem=conv")
+    stem_channels: list[Annotated[int, Field(ge=1)]] = _f("model.stem_channels=[32,64]")
 
 
-@dataclass
-class ModuleSettings:
-    """``ViTClassifier``'s optimiser and loss (vit_mnist/module.py), checked here by its
-    constructor too."""
+class ModuleSettings(Built):
+    """``ViTClassifier``'s optimiser and loss (vit_mnist/module.py)."""
 
-    _target_: str = _setting()
-    lr: float = _setting(gt=0, example="module.lr=2e-3")
-    weight_decay: float = _setting(ge=0, example="module.weight_decay=0.05")
-    betas: list[float] = _setting(
-        ge=0, lt=1, each=True, length=2, example="module.betas=[0.9,0.999]"
+    lr: float = _f("module.lr=2e-3", gt=0)
+    weight_decay: float = _f("module.weight_decay=0.05", ge=0)
+    betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field(
+        None, min_length=2, max_length=2, examples=["module.betas=[0.9,0.999]"]
     )
-    warmup_epochs: float = _setting(ge=0, example="module.warmup_epochs=1")
-    min_lr_ratio: float = _setting(ge=0, le=1, example="module.min_lr_ratio=0.01")
+    warmup_epochs: float = _f("module.warmup_epochs=1", ge=0)
+    min_lr_ratio: float = _f("module.min_lr_ratio=0.01", ge=0, le=1)
     # 1 would make every target uniform: nothing left to learn.
-    label_smoothing: float = _setting(ge=0, lt=1, example="module.label_smoothing=0.1")
-    test_time_shift: int = _test_time_shift("module.test_time_shift")
-    teacher_ckpt: str | None = _setting(example="module.teacher_ckpt=PATH/best.ckpt")
+    label_smoothing: float = _f("module.label_smoothing=0.1", ge=0, lt=1)
+    test_time_shift: int = _shift("module.test_time_shift")
+    teacher_ckpt: str | None = _f("module.teacher_ckpt=PATH/best.ckpt")
 
 
-@dataclass
-class AugmentSettings:
-    degrees: float = _setting(ge=0, le=180, example="data.augment.degrees=10")
+class AugmentSettings(Section):
+    degrees: float = _f("data.augment.degrees=10", ge=0, le=180)
     # A fraction of the image side, as torchvision's RandomAffine.
-    translate: float = _setting(ge=0, le=1, example="data.augment.translate=0.1")
-    scale: list[float] = _setting(gt=0, each=True, length=2, example="data.augment.scale=[0.9,1.1]")
-    hflip: bool = _setting()
-    erasing: float = _setting(ge=0, le=1, example="data.augment.erasing=0.25")
-    elastic_alpha: float = _setting(ge=0, example="data.augment.elastic_alpha=34")
-    elastic_sigma: float = _setting(gt=0, example="data.augment.elastic_sigma=4")
+    translate: float = _f("data.augment.translate=0.1", ge=0, le=1)
+    scale: list[Annotated[float, Field(gt=0)]] = Field(
+        None, min_length=2, max_length=2, examples=["data.augment.scale=[0.9,1.1]"]
+    )
+    hflip: bool = _f()
+    erasing: float = _f("data.augment.erasing=0.25", ge=0, le=1)
+    elastic_alpha: float = _f("data.augment.elastic_alpha=34", ge=0)
+    elastic_sigma: float = _f("data.augment.elastic_sigma=4", gt=0)
 
 
-@dataclass
-class DataSettings:
+class DataSettings(Built):
     """The data modules' arguments (vit_mnist/data/); each key is also checked against the
     chosen module's signature, so ``num_train`` is refused for MNIST. Sizes against the
     dataset (``batch_size``, ``val_size``) are checked by the data module."""
 
-    _target_: str = _setting()
-    data_dir: str | None = _setting()
-    batch_size: int = _setting(ge=1, example="data.batch_size=256")
-    num_workers: int = _setting(ge=0, example="data.num_workers=2")
-    val_size: int = _setting(ge=1, example="data.val_size=5000")
+    data_dir: str | None = _f()
+    batch_size: int = _f("data.batch_size=256", ge=1)
+    num_workers: int = _f("data.num_workers=2", ge=0)
+    val_size: int = _f("data.val_size=5000", ge=1)
     split_seed: int = _seed("data.split_seed", below=2**64)
-    download: bool = _setting()
+    download: bool = _f()
     # Of the pixel values, which are in [0, 1]: so is their mean, and their standard
     # deviation is at most 0.5 (half the range, Popoviciu's inequality).
-    mean: float = _setting(ge=0, le=1, example="data.mean=0.1307")
-    std: float = _setting(gt=0, le=0.5, example="data.std=0.3081")
-    pin_memory: bool = _setting()
-    fast: bool = _setting()
-    on_device: bool = _setting()
+    mean: float = _f("data.mean=0.1307", ge=0, le=1)
+    std: float = _f("data.std=0.3081", gt=0, le=0.5)
+    pin_memory: bool = _f()
+    fast: bool = _f()
+    on_device: bool = _f()
     augment: AugmentSettings | None = None
-    num_train: int = _setting(ge=1, example="data.num_train=512")
-    num_val: int = _setting(ge=1, example="data.num_val=128")
-    num_test: int = _setting(ge=1, example="data.num_test=128")
-    noise: float = _setting(ge=0, example="data.noise=1.0")
+    num_train: int = _f("data.num_train=512", ge=1)
+    num_val: int = _f("data.num_val=128", ge=1)
+    num_test: int = _f("data.num_test=128", ge=1)
+    noise: float = _f("data.noise=1.0", ge=0)
     seed: int = _seed("data.seed", below=2**64)
 
 
-@dataclass
-class TrainerSettings:
+class TrainerSettings(OpenBuilt):
     """The ``lightning.pytorch.Trainer`` arguments our configs set; any other argument of
     the Trainer may be added (``+trainer.gradient_clip_val=1.0``) and is checked by name."""
 
-    OPEN: ClassVar[bool] = True  # keys beyond these: any argument of the Trainer
-
-    _target_: str = _setting()
-    accelerator: str = _setting(choices=ACCELERATORS)
-    devices: Any = _setting(check=_devices, example="trainer.devices=1")
-    num_nodes: int = _setting(ge=1)
-    strategy: Any = _setting()
-    min_epochs: int | None = _setting(ge=0)
-    max_epochs: int = _setting(ge=1, example="trainer.max_epochs=20")
-    precision: Any = _setting(check=_precision)
-    check_val_every_n_epoch: int | None = _setting(
-        ge=1, example="trainer.check_val_every_n_epoch=1"
-    )
-    log_every_n_steps: int = _setting(ge=1, example="trainer.log_every_n_steps=50")
-    limit_train_batches: Any = _setting(check=_batches, example="trainer.limit_train_batches=10")
-    limit_val_batches: Any = _setting(check=_batches, example="trainer.limit_val_batches=10")
-    limit_test_batches: Any = _setting(check=_batches, example="trainer.limit_test_batches=10")
-    gradient_clip_val: float | None = _setting(ge=0, example="+trainer.gradient_clip_val=1.0")
-    accumulate_grad_batches: int = _setting(ge=1, example="+trainer.accumulate_grad_batches=2")
+    accelerator: Literal[tuple(ACCELERATORS)] = _f()
+    devices: Devices = _f("trainer.devices=1")
+    num_nodes: int = _f(ge=1)
+    strategy: Any = None
+    min_epochs: int | None = _f(ge=0)
+    max_epochs: int = _f("trainer.max_epochs=20", ge=1)
+    precision: Precision = _f()
+    check_val_every_n_epoch: int | None = _f("trainer.check_val_every_n_epoch=1", ge=1)
+    log_every_n_steps: int = _f("trainer.log_every_n_steps=50", ge=1)
+    limit_train_batches: Batches = _f("trainer.limit_train_batches=10")
+    limit_val_batches: Batches = _f("trainer.limit_val_batches=10")
+    limit_test_batches: Batches = _f("trainer.limit_test_batches=10")
+    gradient_clip_val: float | None = _f("+trainer.gradient_clip_val=1.0", ge=0)
+    accumulate_grad_batches: int = _f("+trainer.accumulate_grad_batches=2", ge=1)
 
 
-@dataclass
-class LastCheckpointSettings:
-    """``callbacks.last_checkpoint`` (configs/callbacks/last_checkpoint.yaml), a
-    ``ModelCheckpoint`` whose other arguments are checked by name."""
-
-    OPEN: ClassVar[bool] = True
+class LastCheckpointSettings(OpenBuilt):
+    """``callbacks.last_checkpoint``, a ``ModelCheckpoint`` that writes every N steps."""
 
     # Lightning takes 0 as "never"; this callback exists only to write every N steps.
-    every_n_train_steps: int | None = _setting(
-        ge=1, example="callbacks.last_checkpoint.every_n_train_steps=100"
-    )
+    every_n_train_steps: int | None = _f("callbacks.last_checkpoint.every_n_train_steps=100", ge=1)
 
 
-@dataclass
-class ModelCheckpointSettings:
-    """``callbacks.model_checkpoint`` (configs/callbacks/model_checkpoint.yaml), the best
-    checkpoint's ``ModelCheckpoint``, whose other arguments are checked by name."""
-
-    OPEN: ClassVar[bool] = True
+class ModelCheckpointSettings(OpenBuilt):
+    """``callbacks.model_checkpoint``, the best checkpoint's ``ModelCheckpoint``."""
 
     # A name the module does not log stops Lightning only after the first validation.
-    monitor: str | None = _setting(
-        choices=[None, *SEARCH_METRICS, "train/acc", "train/loss"],
-        example="callbacks.model_checkpoint.monitor=val/acc",
+    monitor: Literal[(None, *SEARCH_METRICS, "train/acc", "train/loss")] = _f(
+        "callbacks.model_checkpoint.monitor=val/acc"
     )
-    mode: str = _setting(choices=["min", "max"], example="callbacks.model_checkpoint.mode=max")
+    mode: Literal["min", "max"] = _f("callbacks.model_checkpoint.mode=max")
 
 
-@dataclass
-class CallbacksSettings:
+class CallbacksSettings(Section):
     """The callbacks by name (configs/callbacks/); any other may be added."""
 
-    OPEN: ClassVar[bool] = True
+    model_config = ConfigDict(extra="allow")
 
     last_checkpoint: LastCheckpointSettings | None = None
     model_checkpoint: ModelCheckpointSettings | None = None
 
 
-@dataclass
-class TrainSettings:
+class TrainSettings(Section):
     """``python train.py`` (configs/train.yaml)."""
 
-    task_name: str = _setting()
+    task_name: str = _f()
     seed: int = _seed()
-    test: bool = _setting()
-    ckpt_path: str | None = _setting()
-    init_from: str | None = _setting()
-    optimized_metric: str | None = _setting(
-        choices=[None, *SEARCH_METRICS], example="optimized_metric=val/acc_best"
-    )
-    speed: SpeedSettings = field(default_factory=SpeedSettings)
-    model: ModelSettings = field(default_factory=ModelSettings)
-    module: ModuleSettings = field(default_factory=ModuleSettings)
-    data: DataSettings = field(default_factory=DataSettings)
-    trainer: TrainerSettings = field(default_factory=TrainerSettings)
+    test: bool = _f()
+    ckpt_path: str | None = _f()
+    init_from: str | None = _f()
+    optimized_metric: Literal[(None, *SEARCH_METRICS)] = _f("optimized_metric=val/acc_best")
+    speed: SpeedSettings = None
+    model: ModelSettings = None
+    module: ModuleSettings = None
+    data: DataSettings = None
+    trainer: TrainerSettings = None
     callbacks: CallbacksSettings | None = None
     logger: dict[str, Any] | None = None
-    paths: dict[str, Any] = field(default_factory=dict)
+    paths: dict[str, Any] = None
 
 
-@dataclass
-class FaithfulnessSettings:
-    num_images: int = _setting(ge=1, example="faithfulness.num_images=1000")
+class FaithfulnessSettings(Section):
+    num_images: int = _f("faithfulness.num_images=1000", ge=1)
     seed: int = _seed("faithfulness.seed")
 
 
-@dataclass
-class PruneSettings:
+class PruneSettings(Section):
     """``eval.py analysis=prune`` and :func:`vit_mnist.analysis.pruning.prune_iteratively`."""
 
-    step_fraction: float = _setting(gt=0, le=1, example="prune.step_fraction=0.1")
+    step_fraction: float = _f("prune.step_fraction=0.1", gt=0, le=1)
     # Each block keeps one head, so all heads (1) can never be removed; 0 removes none.
-    max_fraction: float = _setting(gt=0, lt=1, example="prune.max_fraction=0.75")
-    normalise: bool = _setting()
+    max_fraction: float = _f("prune.max_fraction=0.75", gt=0, lt=1)
+    normalise: bool = _f()
 
 
-def _class_pairs(value: Any) -> str | None:
-    def is_class(c: Any) -> bool:
-        return isinstance(c, int) and not isinstance(c, bool) and c >= 0
-
-    if value is None or (
-        isinstance(value, (list, tuple))
-        and value
-        and all(
-            isinstance(p, (list, tuple)) and len(p) == 2 and all(map(is_class, p)) and p[0] != p[1]
-            for p in value
-        )
-    ):
-        return None
-    return (
-        "must be null (the checkpoint's most confused pairs) or a list of [clean, corrupted] "
-        "pairs of two different classes, such as [[4,9],[7,2]]"
-    )
-
-
-@dataclass
-class CircuitsSettings:
+class CircuitsSettings(Section):
     """``eval.py analysis=circuits``: direct logit attribution, the logit lens, and
     activation patching between pairs of classes."""
 
-    num_pairs: int = _setting(ge=1, example="circuits.num_pairs=3")
-    pairs: Any = _setting(check=_class_pairs, example="circuits.pairs=[[4,9],[7,2]]")
-    pair_images: int = _setting(ge=1, example="circuits.pair_images=50")
+    num_pairs: int = _f("circuits.num_pairs=3", ge=1)
+    pairs: ClassPairs = _f("circuits.pairs=[[4,9],[7,2]]")
+    pair_images: int = _f("circuits.pair_images=50", ge=1)
 
 
-@dataclass
-class EvalSettings:
+class EvalSettings(Section):
     """``python eval.py`` (configs/eval.yaml)."""
 
-    task_name: str = _setting()
+    task_name: str = _f()
     seed: int = _seed()
-    ckpt_path: str = _setting(example="ckpt_path=latest")
-    analysis: str | None = _setting(
-        choices=[None, "heads", "faithfulness", "prune", "roles", "circuits"]
-    )
-    split: str = _setting(choices=["test", "val"])
-    test_time_shift: int | None = _test_time_shift("test_time_shift")
-    faithfulness: FaithfulnessSettings = field(default_factory=FaithfulnessSettings)
-    precision: Any = _setting(check=_precision)
-    prune: PruneSettings = field(default_factory=PruneSettings)
-    circuits: CircuitsSettings = field(default_factory=CircuitsSettings)
+    ckpt_path: str = _f("ckpt_path=latest")
+    analysis: Literal[None, "heads", "faithfulness", "prune", "roles", "circuits"] = _f()
+    split: Literal["test", "val"] = _f()
+    test_time_shift: int | None = _shift("test_time_shift")
+    faithfulness: FaithfulnessSettings = None
+    precision: Precision = _f()
+    prune: PruneSettings = None
+    circuits: CircuitsSettings = None
     data: DataSettings | None = None
-    trainer: TrainerSettings = field(default_factory=TrainerSettings)
+    trainer: TrainerSettings = None
     logger: dict[str, Any] | None = None
-    paths: dict[str, Any] = field(default_factory=dict)
+    paths: dict[str, Any] = None
 
 
-@dataclass
-class PredictSettings:
+class PredictSettings(Section):
     """``python scripts/predict.py`` (configs/predict.yaml)."""
 
-    task_name: str = _setting()
-    ckpt_path: str = _setting(example="ckpt_path=latest")
-    images: Any = _setting(check=_images)
-    pictures: Any = _setting(check=_pictures, example="pictures=64")
-    resume: bool = _setting()
-    paths: dict[str, Any] = field(default_factory=dict)
+    task_name: str = _f()
+    ckpt_path: str = _f("ckpt_path=latest")
+    images: Images = _f()
+    pictures: Pictures = _f("pictures=64")
+    resume: bool = _f()
+    paths: dict[str, Any] = None
 
 
-# scripts/export.py's formats and the file suffix each writes.
-EXPORT_FORMATS = {"onnx": ".onnx", "torchscript": ".pt"}
-
-
-@dataclass
-class ExportSettings:
+class ExportSettings(Section):
     """``python scripts/export.py`` (configs/export.yaml)."""
 
-    task_name: str = _setting()
-    ckpt_path: str = _setting(example="ckpt_path=latest")
-    format: str = _setting(choices=list(EXPORT_FORMATS))
-    output: str | None = _setting()
-    overwrite: bool = _setting()
-    opset: int = _setting(ge=7, example="opset=18")
-    check_images: int = _setting(ge=1, example="check_images=1000")
+    task_name: str = _f()
+    ckpt_path: str = _f("ckpt_path=latest")
+    format: Literal[tuple(EXPORT_FORMATS)] = _f()
+    output: str | None = _f()
+    overwrite: bool = _f()
+    opset: int = _f("opset=18", ge=7)
+    check_images: int = _f("check_images=1000", ge=1)
     data: DataSettings | None = None
-    paths: dict[str, Any] = field(default_factory=dict)
+    paths: dict[str, Any] = None
 
 
-@dataclass
-class ExploreSettings:
+class ExploreSettings(Section):
     """``python scripts/explore.py`` (configs/explore.yaml)."""
 
-    task_name: str = _setting()
-    ckpt_path: str = _setting(example="ckpt_path=latest")
-    heads_csv: str | None = _setting(example="heads_csv=<eval run>/head_importance.csv")
-    server_name: str = _setting(example="server_name=127.0.0.1")
-    server_port: int | None = _setting(ge=1, le=65535, example="server_port=7860")
-    max_upload_mb: float = _setting(gt=0, example="max_upload_mb=10")
-    max_upload_megapixels: float = _setting(gt=0, example="max_upload_megapixels=25")
+    task_name: str = _f()
+    ckpt_path: str = _f("ckpt_path=latest")
+    heads_csv: str | None = _f("heads_csv=<eval run>/head_importance.csv")
+    server_name: str = _f("server_name=127.0.0.1")
+    server_port: int | None = _f("server_port=7860", ge=1, le=65535)
+    max_upload_mb: float = _f("max_upload_mb=10", gt=0)
+    max_upload_megapixels: float = _f("max_upload_megapixels=25", gt=0)
     data: DataSettings | None = None
-    paths: dict[str, Any] = field(default_factory=dict)
+    paths: dict[str, Any] = None
 
 
 # The settings of each command, by the name of its function in vit_mnist.cli.
-SETTINGS: dict[str, type] = {
+SETTINGS: dict[str, type[Section]] = {
     "train": TrainSettings,
     "evaluate": EvalSettings,
     "predict": PredictSettings,
@@ -455,6 +419,16 @@ RETIRED: dict[str, str] = {
 
 # Hydra instantiation keys, not arguments of the target.
 _HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_recursive_", "_convert_"}
+# pydantic's error types, in the words of the one line.
+_KINDS = {
+    "int_type": "a whole number",
+    "float_type": "a number",
+    "bool_type": "true or false",
+    "string_type": "a string",
+    "list_type": "a list of numbers, such as [0.9,0.999]",
+    "model_type": "a section of keys and values",
+    "dict_type": "a section of keys and values",
+}
 
 
 def _show(value: Any) -> str:
@@ -463,51 +437,55 @@ def _show(value: Any) -> str:
     return "null" if value is None else str(value)
 
 
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    """The field annotations of a settings class, as types (the module has string ones)."""
-    return typing.get_type_hints(cls)
+def _field(cls: type[Section], name: str) -> Any:
+    """The field of ``cls`` that a config key names (``_target_`` is ``target``'s alias)."""
+    return next(f for n, f in cls.model_fields.items() if name in (n, f.alias))
 
 
-def _dataclass_of(annotation: Any) -> type | None:
+def _section_class(annotation: Any) -> type[Section] | None:
+    """The :class:`Section` class of a field's annotation (``X`` or ``X | None``)."""
     for candidate in (annotation, *typing.get_args(annotation)):
-        if is_dataclass(candidate):
+        if isinstance(candidate, type) and issubclass(candidate, Section):
             return candidate
     return None
 
 
-def _section(schema: type, section: str) -> type | None:
+def _section(schema: type[Section], section: str) -> type[Section] | None:
     """The settings class of a dotted ``section`` ('' for the top); None if undeclared."""
-    cls: type | None = schema
+    cls: type[Section] | None = schema
     for part in filter(None, section.split(".")):
-        if cls is None or part not in _hints(cls):
-            return None
-        cls = _dataclass_of(_hints(cls)[part])
+        field = cls.model_fields.get(part) if cls else None
+        cls = _section_class(field.annotation) if field else None
     return cls
 
 
-def known_keys(schema: type, section: str) -> list[str]:
+def _names(cls: type[Section]) -> list[str]:
+    return [field.alias or name for name, field in cls.model_fields.items()]
+
+
+def known_keys(schema: type[Section], section: str) -> list[str]:
     """The keys that ``section`` (dotted, '' for the top) of ``schema`` declares."""
     cls = _section(schema, section)
-    return [f.name for f in fields(cls)] if cls is not None else []
+    return _names(cls) if cls is not None else []
 
 
-def is_open(schema: type, section: str) -> bool:
+def is_open(schema: type[Section], section: str) -> bool:
     """Whether ``section`` takes keys that the schema does not declare: any argument of the
     class its ``_target_`` names (``+trainer.gradient_clip_val=1.0``), checked by name."""
     parent, _, name = section.rpartition(".")
     cls = _section(schema, parent)
-    if cls is None or name not in _hints(cls):
+    field = cls.model_fields.get(name) if cls is not None else None
+    if field is None:
         return False
-    annotation = _hints(cls)[name]
-    sub = _dataclass_of(annotation)
-    if sub is None:  # a free dict such as callbacks, logger
-        return dict in (annotation, *typing.get_args(annotation), typing.get_origin(annotation))
-    return getattr(sub, "OPEN", False)
+    sub = _section_class(field.annotation)
+    if sub is None:  # a free dict such as logger
+        kinds = (field.annotation, *typing.get_args(field.annotation))
+        return any(k is dict or typing.get_origin(k) is dict for k in kinds)
+    return sub.model_config.get("extra") == "allow"
 
 
 def unknown_key(
-    key: str, schema: type, value: str | None = None, candidates: Sequence[str] | None = None
+    key: str, schema: type[Section], value: str | None = None, candidates: list[str] | None = None
 ) -> str:
     """The one line for a ``key`` that ``schema`` does not declare: what replaced it, or the
     nearest key of its section ("did you mean"), or the keys there.
@@ -540,82 +518,19 @@ def unknown_key(
     return f"{key} is not {where} (the settings there: {listed})"
 
 
-def _kind(annotation: Any) -> str:
-    """What a value of this type is, in words, for the error."""
-    for kind, words in (
-        (bool, "true or false"),
-        (int, "a whole number"),
-        (float, "a number"),
-        (str, "a string"),
-    ):
-        if annotation is kind:
-            return words
-    if typing.get_origin(annotation) is list:
-        return "a list of numbers, such as [0.9,0.999]"
-    return "a section of keys and values"
-
-
-def _has_type(annotation: Any, value: Any) -> bool:
-    """Whether ``value`` (plain Python, as YAML and the command line give) has the type."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(_has_type(a, value) for a in typing.get_args(annotation))
-    if annotation is Any:
-        return True
-    if annotation is type(None):
-        return value is None
-    if annotation in (int, float) and isinstance(value, bool):
-        return False
-    if annotation is float:
-        return isinstance(value, (int, float))
-    if origin is list:
-        (item,) = typing.get_args(annotation)
-        return isinstance(value, (list, tuple)) and all(_has_type(item, v) for v in value)
-    if origin is dict or is_dataclass(annotation):
-        return isinstance(value, dict)
-    return isinstance(value, annotation)
-
-
-def _fix(meta: Any) -> str:
-    return f"; e.g. {meta['example']}" if meta.get("example") else ""
-
-
-def _check_value(key: str, value: Any, annotation: Any, meta: Any) -> None:
-    """Type, then the field's own check, choices, length and bounds (its ``metadata``)."""
-    if not _has_type(annotation, value):
-        # Of ``int | None``, the int.
-        kinds = [a for a in (*typing.get_args(annotation), annotation) if a is not type(None)]
-        kind = _kind(kinds[0])
-        raise ConfigError(f"{key}={_show(value)} must be {kind}{_fix(meta)}")
-    if value is None:
-        return
-    if meta.get("check") is not None:
-        problem = meta["check"](value)
-        if problem:
-            raise ConfigError(f"{key}={_show(value)} {problem}{_fix(meta)}")
-    choices = meta.get("choices")
-    if choices is not None and value not in choices:
-        shown = [_show(c) for c in choices]
-        raise ConfigError(f"{key}={_show(value)} is not one of {shown}")
-    if meta.get("length") is not None and len(value) != meta["length"]:
-        raise ConfigError(f"{key}={_show(value)} must have {meta['length']} values{_fix(meta)}")
-    items = value if meta.get("each") else [value]
-    tests = {"ge": float.__ge__, "gt": float.__gt__, "le": float.__le__, "lt": float.__lt__}
-    for v in items:
-        if all(meta.get(b) is None or tests[b](float(v), float(meta[b])) for b in tests):
-            continue
-        what = ": each value" if meta.get("each") else ""
-        raise ConfigError(f"{key}={_show(value)}{what} must be {_range(meta)}{_fix(meta)}")
-
-
-def _range(meta: Any) -> str:
-    """``in [0, 1)``, ``>= 1`` or ``< 1`` from the field's bounds."""
+def _range(field: Any, item: bool) -> str:
+    """``in [0, 1)``, ``>= 1`` or ``< 1`` from a field's bounds (its items' for a list)."""
+    metadata = field.metadata
+    if item:
+        (inner,) = typing.get_args(field.annotation)
+        metadata = typing.get_args(inner)[1].metadata
+    bound = {k: getattr(m, k) for m in metadata for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}
 
     def show(limit: float) -> str:
         return f"2**{int(limit).bit_length() - 1}" if limit >= 2**16 else _show(limit)
 
-    low = ("[", meta["ge"]) if meta.get("ge") is not None else ("(", meta.get("gt"))
-    high = ("]", meta["le"]) if meta.get("le") is not None else (")", meta.get("lt"))
+    low = ("[", bound["ge"]) if "ge" in bound else ("(", bound.get("gt"))
+    high = ("]", bound["le"]) if "le" in bound else (")", bound.get("lt"))
     if low[1] is not None and high[1] is not None:
         return f"in {low[0]}{show(low[1])}, {show(high[1])}{high[0]}"
     if low[1] is not None:
@@ -623,36 +538,52 @@ def _range(meta: Any) -> str:
     return f"{'<=' if high[0] == ']' else '<'} {show(high[1])}"
 
 
-def _walk(cls: type, values: dict[str, Any], prefix: str, schema: type) -> None:
-    """Every key of ``values`` declared by ``cls`` (or, in an open section, left to
-    :func:`_check_target`), every value of its type and in its range."""
-    hints = _hints(cls)
-    for name, value in values.items():
-        key = f"{prefix}{name}"
-        if name not in hints:
-            if getattr(cls, "OPEN", False):
-                continue
-            target_args = _target_args(values) if prefix else []
-            names = [*known_keys(cls, ""), *target_args]
-            raise ConfigError(unknown_key(key, schema, candidates=names))
-        annotation = hints[name]
-        sub = _dataclass_of(annotation)
-        meta = cls.__dataclass_fields__[name].metadata
-        if sub is not None and isinstance(value, dict):
-            _walk(sub, value, key + ".", schema)
-        else:
-            _check_value(key, value, annotation, meta)
+def _one_line(error: dict[str, Any], cls: type[Section], values: dict, prefix: str) -> str:
+    """The project's line for pydantic's ``error`` on ``values`` (checked against ``cls``)."""
+    names = [p for p in error["loc"] if isinstance(p, str)]
+    item = len(names) < len(error["loc"])  # an item of a list
+    node, section = values, cls
+    for name in names[:-1]:
+        node = node[name]
+        section = _section_class(_field(section, name).annotation)
+    key = prefix + ".".join(names)
+    if error["type"] == "extra_forbidden":
+        target = _target_args(node) if len(names) > 1 or prefix else []
+        return unknown_key(key, cls, candidates=[*_names(section), *target])
+    field = _field(section, names[-1])
+    value = node[names[-1]]
+    fix = f"; e.g. {field.examples[0]}" if field.examples else ""
+    kind = error["type"]
+    if kind in _KINDS:
+        return f"{key}={_show(value)} must be {_KINDS[kind]}{fix}"
+    if kind == "literal_error":
+        choices = typing.get_args(field.annotation)
+        return f"{key}={_show(value)} is not one of {[_show(c) for c in choices]}"
+    if kind in ("too_short", "too_long"):
+        length = error["ctx"].get("min_length", error["ctx"].get("max_length"))
+        return f"{key}={_show(value)} must have {length} values{fix}"
+    if kind.startswith(("greater_than", "less_than")):
+        each = ": each value" if item else ""
+        return f"{key}={_show(value)}{each} must be {_range(field, item)}{fix}"
+    if kind == "value_error":
+        return f"{key}={_show(value)} {error['ctx']['error']}{fix}"
+    return f"{key}={_show(value)}: {error['msg']}{fix}"
 
 
-def check_arguments(section: type, values: dict[str, Any], prefix: str = "") -> None:
-    """Check keyword arguments against one section of the schema (e.g. ``ModelSettings``),
-    for a constructor that is also called from Python, not only from a config.
+def check_arguments(section: type[Section], values: dict[str, Any], prefix: str = "") -> None:
+    """Check keyword arguments against one section of the schema (e.g. ``ModelSettings``):
+    what ``train()`` runs on a model's arguments before any data is loaded.
 
     Raises:
         ConfigError: the first key that is undeclared, of the wrong type or out of range,
             named as ``prefix + key``.
     """
-    _walk(section, values, prefix, section)
+    # A Python caller's tuple (a constructor's default) is what a config's list is.
+    values = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+    try:
+        section.model_validate(values)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e.errors()[0], section, values, prefix)) from None
 
 
 def import_target(target: str) -> Any:
@@ -681,11 +612,20 @@ def import_target(target: str) -> Any:
 def _target_parameters(target: str) -> Any:
     """The parameters of the class or function a ``_target_`` names (None when it has no
     signature); ImportError (from :func:`import_target`) for a path that does not exist."""
-    found = import_target(target)
     try:
-        return inspect.signature(found).parameters
+        return inspect.signature(import_target(target)).parameters
     except (TypeError, ValueError):
         return None
+
+
+def _target_args(node: Any) -> list[str]:
+    """The arguments of ``node``'s ``_target_``, for a "did you mean"; [] without one."""
+    try:
+        if isinstance(node, dict) and "_target_" in node:
+            return list(_target_parameters(node["_target_"]) or [])
+    except Exception:  # noqa: BLE001 - only for the hint
+        pass
+    return []
 
 
 def _check_target(key: str, node: Any) -> None:
@@ -699,9 +639,7 @@ def _check_target(key: str, node: Any) -> None:
             f"{key}._target_={node['_target_']} cannot be imported ({' '.join(str(e).split())}); "
             "check its spelling"
         ) from None
-    if params is None:
-        return
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    if params is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
     for name, value in node.items():
         if name in _HYDRA_KEYS:
@@ -721,7 +659,7 @@ def _check_target(key: str, node: Any) -> None:
             _check_target(f"{key}.{name}", value)
 
 
-def check_settings(cfg: DictConfig, schema: type, targets: bool = True) -> dict[str, Any]:
+def check_settings(cfg: DictConfig, schema: type[Section], targets: bool = True) -> dict[str, Any]:
     """Check every key of ``cfg`` against ``schema`` (one of the ``*Settings`` classes).
 
     Order: interpolations resolve; every key is declared (or, in an open section such as
@@ -748,37 +686,11 @@ def check_settings(cfg: DictConfig, schema: type, targets: bool = True) -> dict[
         raise ConfigError(f"{key}: {' '.join(str(e).split())}") from None
     values.pop("hydra", None)
     check_arguments(schema, values)
-    if not targets:
-        return values
-    for section, sub in values.items():
-        if isinstance(sub, dict) and "_target_" not in sub:  # callbacks, logger: named parts
-            for name, item in sub.items():
-                _check_target(f"{section}.{name}", item)
-        else:
-            _check_target(section, sub)
+    if targets:
+        for section, sub in values.items():
+            if isinstance(sub, dict) and "_target_" not in sub:  # callbacks, logger: by name
+                for name, item in sub.items():
+                    _check_target(f"{section}.{name}", item)
+            else:
+                _check_target(section, sub)
     return values
-
-
-def _target_args(node: dict[str, Any]) -> list[str]:
-    """The arguments of ``node``'s ``_target_``, for a "did you mean"; [] without one."""
-    try:
-        return list(_target_parameters(node["_target_"]) or []) if "_target_" in node else []
-    except Exception:  # noqa: BLE001 - only for the hint
-        return []
-
-
-__all__ = [
-    "EvalSettings",
-    "ExploreSettings",
-    "ExportSettings",
-    "PredictSettings",
-    "RETIRED",
-    "SETTINGS",
-    "TrainSettings",
-    "check_arguments",
-    "check_settings",
-    "import_target",
-    "is_open",
-    "known_keys",
-    "unknown_key",
-]

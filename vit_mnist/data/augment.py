@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from vit_mnist.errors import ConfigError
-from vit_mnist.settings import AugmentSettings, check_arguments
 
 
 def _uniform(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
@@ -86,9 +85,10 @@ class BatchRandomAffine(nn.Module):
 
     Shapes: (batch, channels, H, W) float -> same shape and dtype.
 
+    Each value's range is the settings schema's (``AugmentSettings``).
+
     Raises:
-        ConfigError: a value that ``AugmentSettings`` (vit_mnist/settings.py) refuses,
-            named as its ``data.augment.*`` key, or a reversed ``scale`` range.
+        ConfigError: a reversed ``scale`` range.
     """
 
     def __init__(
@@ -103,10 +103,6 @@ class BatchRandomAffine(nn.Module):
         elastic_sigma: float = 4.0,
     ) -> None:
         super().__init__()
-        # Each value's range: the schema's (AugmentSettings), named as in configs.
-        affine = dict(degrees=degrees, translate=translate, scale=list(scale), hflip=hflip)
-        elastic = dict(elastic_alpha=elastic_alpha, elastic_sigma=elastic_sigma)
-        check_arguments(AugmentSettings, {**affine, **elastic}, prefix="data.augment.")
         lo, hi = scale
         if lo > hi:
             raise ConfigError(f"data.augment.scale={list(scale)} must be [min, max], min <= max")
@@ -171,9 +167,10 @@ class BatchRandomErasing(nn.Module):
 
     Shapes: (batch, channels, H, W) float -> same shape and dtype.
 
+    ``p``'s range is the settings schema's (``AugmentSettings.erasing``).
+
     Raises:
-        ConfigError: ``p`` outside [0, 1] (``AugmentSettings.erasing``) or an empty
-            ``area`` range.
+        ConfigError: an empty ``area`` range.
     """
 
     def __init__(
@@ -185,7 +182,6 @@ class BatchRandomErasing(nn.Module):
         fill: float = 0.0,
     ) -> None:
         super().__init__()
-        check_arguments(AugmentSettings, {"erasing": p}, prefix="data.augment.")
         if not 0 < area[0] <= area[1] < 1:
             raise ConfigError(f"random erasing area={list(area)} must satisfy 0 < min <= max < 1")
         self.p, self.area, self.ratio, self.fill = p, area, ratio, fill

@@ -11,6 +11,7 @@ from vit_mnist.models.attention import MultiHeadSelfAttention
 from vit_mnist.models.checks import check_vit_args
 from vit_mnist.models.cnn import ConvNet, check_cnn_args
 from vit_mnist.models.vit import EncoderBlock, PatchEmbedding, VisionTransformer
+from vit_mnist.settings import ModelSettings, check_arguments
 
 __all__ = [
     "ConvNet",
@@ -35,10 +36,13 @@ def check_model_args(model: dict[str, Any]) -> None:
     a key it leaves out takes the constructor's default.
 
     Raises:
-        ConfigError: see :func:`check_vit_args` and :func:`check_cnn_args`.
+        ConfigError: a value the settings schema refuses (``ModelSettings``), named as
+            ``model.<key>``, or a combination (:func:`check_vit_args`,
+            :func:`check_cnn_args`).
         TypeError: a key the constructor does not take.
     """
     arch, args = _split(model)
+    check_arguments(ModelSettings, {**args, "arch": arch}, prefix="model.")
     cnn = arch == "cnn"
     bound = inspect.signature(ConvNet if cnn else VisionTransformer).bind(**args)
     bound.apply_defaults()

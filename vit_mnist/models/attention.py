@@ -20,40 +20,12 @@ from einops import rearrange
 from torch import nn
 
 from vit_mnist.errors import ConfigError
-from vit_mnist.settings import ModelSettings, check_arguments
 
 
-def check_attention_args(
-    *,
-    embed_dim: int,
-    num_heads: int,
-    impl: str = "explicit",
-    head_dim: int | None = None,
-    attn_dropout: float = 0.0,
-    proj_dropout: float = 0.0,
-) -> None:
-    """Raise :class:`ConfigError` (a ``ValueError``) for an impossible attention layer.
-
-    Each value's type and range is the schema's (``ModelSettings`` in vit_mnist/settings.py,
-    under the names ``attention_impl`` and ``dropout`` for ``impl`` and ``proj_dropout``);
-    what is checked here is the split of the width into heads, which this layer's reshape
-    needs.
-
-    Raises:
-        ConfigError: a value the schema refuses, or ``embed_dim`` not a multiple of
-            ``num_heads`` when ``head_dim`` is None; the message names the values.
-    """
-    check_arguments(
-        ModelSettings,
-        {
-            "embed_dim": embed_dim,
-            "num_heads": num_heads,
-            "head_dim": head_dim,
-            "attention_impl": impl,
-            "attn_dropout": attn_dropout,
-            "dropout": proj_dropout,
-        },
-    )
+def check_attention_args(*, embed_dim: int, num_heads: int, head_dim: int | None = None) -> None:
+    """Raise :class:`ConfigError` (a ``ValueError``) when ``embed_dim`` is not a multiple of
+    ``num_heads`` and no ``head_dim`` is given: the split of the width into heads that this
+    layer's reshape needs. Each value's own type and range is the settings schema's."""
     if head_dim is None and embed_dim % num_heads != 0:
         divisors = [d for d in range(1, embed_dim + 1) if embed_dim % d == 0 and d <= 64]
         raise ConfigError(
@@ -94,7 +66,7 @@ class MultiHeadSelfAttention(nn.Module):
         under autocast, else in the input's dtype.
 
     Raises:
-        ConfigError (a ValueError): impossible ``embed_dim`` / ``num_heads`` / ``impl``.
+        ConfigError (a ValueError): ``embed_dim`` not divisible by ``num_heads``.
     """
 
     def __init__(
@@ -110,14 +82,7 @@ class MultiHeadSelfAttention(nn.Module):
         impl: str = "explicit",
     ) -> None:
         super().__init__()
-        check_attention_args(
-            embed_dim=embed_dim,
-            num_heads=num_heads,
-            impl=impl,
-            head_dim=head_dim,
-            attn_dropout=attn_dropout,
-            proj_dropout=proj_dropout,
-        )
+        check_attention_args(embed_dim=embed_dim, num_heads=num_heads, head_dim=head_dim)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = head_dim or embed_dim // num_heads

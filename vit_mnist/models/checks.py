@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 from vit_mnist.errors import ConfigError
 from vit_mnist.models.attention import check_attention_args
-from vit_mnist.settings import ModelSettings, check_arguments
 
 
 def check_vit_args(
@@ -39,17 +38,15 @@ def check_vit_args(
     name (the defaults are the constructor's alone).
 
     Called by the constructor and, before any data is loaded, by ``train(cfg)``
-    (:func:`~vit_mnist.models.check_model_args`, which fills in the defaults).
+    (:func:`~vit_mnist.models.check_model_args`, which fills in the defaults and checks
+    each value's own range against the settings schema first).
 
     Raises:
-        ConfigError (a ValueError): a value the schema refuses (``dropout=1.5 must be in
-            [0, 1)``), or an impossible combination, naming the values:
+        ConfigError (a ValueError): an impossible combination, naming the values:
             ``patch_size=5 does not divide img_size=28``, ``embed_dim=64 is not divisible
             by num_heads=3``, a ``num_heads`` list whose length is not ``depth`` or that
             comes without ``head_dim``, an MLP of width 0.
     """
-    arguments = {k: v for k, v in locals().items()}
-    check_arguments(ModelSettings, arguments)
     if img_size % patch_size != 0:
         divisors = [d for d in range(1, img_size + 1) if img_size % d == 0]
         raise ConfigError(
@@ -67,8 +64,6 @@ def check_vit_args(
     else:
         num_heads = [num_heads]
     for h in num_heads:
-        check_attention_args(
-            embed_dim=embed_dim, num_heads=h, impl=attention_impl, head_dim=head_dim
-        )
+        check_attention_args(embed_dim=embed_dim, num_heads=h, head_dim=head_dim)
     if round(embed_dim * mlp_ratio) <= 0:
         raise ConfigError(f"mlp_ratio={mlp_ratio} gives an MLP of width 0 at embed_dim={embed_dim}")

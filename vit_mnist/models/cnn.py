@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from vit_mnist.errors import ConfigError
-from vit_mnist.settings import ModelSettings, check_arguments
 
 WIDTHS = (32, 64)  # channels of the two stages
 HIDDEN = 128  # features of the hidden layer
@@ -23,12 +22,9 @@ def check_cnn_args(*, img_size: int, in_chans: int, num_classes: int) -> None:
     """Check :class:`ConvNet` arguments without building anything.
 
     Raises:
-        ConfigError: a value the schema refuses, or an ``img_size`` the two 2 x 2 pools do
-            not divide.
+        ConfigError: an ``img_size`` the two 2 x 2 pools do not divide (each value's own
+            range is the settings schema's).
     """
-    check_arguments(
-        ModelSettings, dict(img_size=img_size, in_chans=in_chans, num_classes=num_classes)
-    )
     if img_size % 4:
         raise ConfigError(f"model.img_size={img_size} must be a multiple of 4 for model=cnn")
 
