@@ -510,11 +510,13 @@ def test_resume_names_the_settings_it_keeps_from_the_checkpoint(make_train_cfg, 
         metrics = train(resumed)
     (line,) = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert "module.lr=0.5 (keeps " in line and "init_from=" in line
-    # What the run records is what trained: the checkpoint's learning rate, in the
-    # checkpoint's hyperparameters and in the run's recorded config.
+    # What trained is the checkpoint's learning rate, in the checkpoint's hyperparameters;
+    # the composed config stays the user's, and beside it the run records what resume kept.
     saved = read_checkpoint(metrics["best_ckpt"])["hyper_parameters"]
     assert saved["lr"] == part.module.lr != 0.5
-    assert OmegaConf.load(recorded).module.lr == part.module.lr
+    assert OmegaConf.load(recorded).module.lr == resumed.module.lr == 0.5
+    kept = OmegaConf.load(recorded.parent / "resumed.yaml")
+    assert OmegaConf.to_container(kept) == {"module.lr": {"asked": 0.5, "kept": part.module.lr}}
     # Another batch size would run on a schedule laid out for the checkpoint's: refused.
     other = make_train_cfg(
         "trainer.max_epochs=2", f"ckpt_path={last}", "data.batch_size=32", output_dir=tmp_path / "b"
@@ -536,11 +538,39 @@ def test_init_from_applies_a_model_key_its_weights_allow_and_refuses_the_others(
         "train a new model"
     )
     cfg = make_train_cfg(f"init_from={ckpt}", "model.drop_path_rate=0.2")
+    composed = OmegaConf.to_container(cfg)
     with caplog.at_level(logging.WARNING, logger="vit_mnist.checkpointing"):
-        model_to_start_from(cfg)
-    assert cfg.model.drop_path_rate == 0.2 and cfg.model.mlp_ratio == 4.0
+        start = model_to_start_from(cfg)
+    assert start.model["drop_path_rate"] == 0.2 and start.model["mlp_ratio"] == 4.0
+    assert OmegaConf.to_container(cfg) == composed  # the config is not rewritten
     # The preset's mlp_ratio, not given on the command line, gives way to the checkpoint's.
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warning == (
         f"init_from={ckpt}: the checkpoint's model trains: model.mlp_ratio=4.0 (config: 2.0)"
     )
+
+
+def test_the_composed_config_is_never_rewritten(make_train_cfg, tmp_path):
+    """init_from and a resume decide the model and the module settings that train; the
+    config train() receives stays the one the user composed, read-only once checked."""
+    first = make_train_cfg("trainer.max_epochs=1", output_dir=tmp_path / "first")
+    train(first)
+    last = Path(first.paths.output_dir) / "checkpoints" / "last.ckpt"
+    runs = {
+        "init_from": make_train_cfg(
+            "trainer.max_epochs=1", f"init_from={last}", "model.mlp_ratio=4.0",
+            "model.drop_path_rate=0.1", output_dir=tmp_path / "init",
+        ),
+        "resume": make_train_cfg(
+            "trainer.max_epochs=2", f"ckpt_path={last}", "module.lr=0.5",
+            output_dir=tmp_path / "resume",
+        ),
+    }  # fmt: skip
+    for name, cfg in runs.items():
+        composed = OmegaConf.to_container(cfg)
+        metrics = train(cfg)
+        assert OmegaConf.to_container(cfg) == composed, name
+        assert OmegaConf.is_readonly(cfg), name
+        if name == "init_from":  # the checkpoint's model trained; the config says 4.0
+            assert metrics["model"]["mlp_ratio"] == first.model.mlp_ratio != 4.0
+            assert cfg.model.mlp_ratio == 4.0

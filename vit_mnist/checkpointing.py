@@ -8,6 +8,7 @@ import json
 import logging
 import shlex
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import hydra
 import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from vit_mnist.errors import CheckpointError, ConfigError, WriteError
 from vit_mnist.io import atomic_write_bytes
@@ -340,16 +341,29 @@ def _this_program() -> list[str]:
     return [Path(program).name]
 
 
-def resume_checkpoint(cfg: DictConfig) -> tuple[Path | None, int]:
-    """For ``ckpt_path=PATH`` (or ``latest``): the checkpoint to resume and its global step;
-    ``(None, 0)`` without ``ckpt_path``.
+@dataclass
+class Resume:
+    """What ``ckpt_path`` resumes: the checkpoint (None: a new run), its global step, and
+    the ``module`` settings it keeps over the config's (Lightning restores the optimizer and
+    its schedule, whose state holds them): ``ViTClassifier`` arguments."""
+
+    path: Path | None = None
+    start_step: int = 0
+    module: dict[str, Any] = field(default_factory=dict)
+
+
+def resume_checkpoint(cfg: DictConfig) -> Resume:
+    """For ``ckpt_path=PATH`` (or ``latest``): the checkpoint to resume, its global step and
+    the module settings it keeps (:func:`_kept_by_resume`); an empty :class:`Resume`
+    without ``ckpt_path``. ``cfg`` is not changed.
 
     Raises:
-        ConfigError: the checkpoint was trained with another model than ``cfg.model``.
+        ConfigError: the checkpoint was trained with another model than ``cfg.model``, or
+            with another ``data.batch_size``.
         CheckpointError: see :func:`read_checkpoint`.
     """
     if cfg.get("ckpt_path") is None:
-        return None, 0
+        return Resume()
     model_args = OmegaConf.to_container(cfg.model, resolve=True)
     path = resolve_latest(cfg.ckpt_path, cfg.paths.log_dir, "last.ckpt", model_args)
     ckpt = read_checkpoint(path)  # a clear error for a missing or foreign file
@@ -359,8 +373,7 @@ def resume_checkpoint(cfg: DictConfig) -> tuple[Path | None, int]:
             f"ckpt_path={path} was trained with another model: {'; '.join(differences)}. "
             "Resume it with its own model settings, or leave ckpt_path out to start a new run"
         )
-    _keep_what_resumes(cfg, ckpt, path)
-    return path, int(ckpt.get("global_step", 0))
+    return Resume(path, int(ckpt.get("global_step", 0)), _kept_by_resume(cfg, ckpt, path))
 
 
 # The module settings a resume takes from the checkpoint: Lightning restores the optimizer
@@ -368,11 +381,12 @@ def resume_checkpoint(cfg: DictConfig) -> tuple[Path | None, int]:
 RESUMED_MODULE_KEYS = ("lr", "weight_decay", "betas", "warmup_epochs", "min_lr_ratio")
 
 
-def _keep_what_resumes(cfg: DictConfig, ckpt: dict[str, Any], path: Path) -> None:
-    """Put the checkpoint's optimizer and schedule settings into ``cfg.module`` (so the
-    run's recorded hyperparameters are those that train) and name, in one warning line,
-    each that the command line changed. Hydra wrote the run's ``.hydra/config.yaml`` before
-    this ran; where settings were kept, that file is written again with them.
+def _kept_by_resume(cfg: DictConfig, ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The checkpoint's optimizer and schedule settings that differ from ``cfg.module``'s:
+    the run trains with them (Lightning restores the optimizer and its schedule). Each is
+    named in one warning line and recorded beside the composed config, in the run's
+    ``.hydra/resumed.yaml`` (``module.<key>``: ``asked`` and ``kept``); ``cfg`` and
+    ``.hydra/config.yaml`` stay what the user composed.
 
     Raises:
         ConfigError: ``data.batch_size`` differs from the checkpoint's: the schedule's step
@@ -386,28 +400,25 @@ def _keep_what_resumes(cfg: DictConfig, ckpt: dict[str, Any], path: Path) -> Non
             f"{path} trained with: resume with data.batch_size={batch_size}, or start a new "
             f"run from its weights with init_from={path}"
         )
-    ignored = []
     module = OmegaConf.to_container(cfg.module, resolve=True)
-    with open_dict(cfg):
-        for key in RESUMED_MODULE_KEYS:
-            if key not in saved or key not in module:
-                continue
-            asked = module[key]
-            kept = list(saved[key]) if isinstance(saved[key], tuple) else saved[key]
-            if asked != kept:
-                ignored.append(f"module.{key}={asked} (keeps {kept})")
-                cfg.module[key] = kept
-    if ignored:
-        recorded = Path(cfg.paths.output_dir) / ".hydra" / "config.yaml"
-        if recorded.is_file():  # as Hydra writes it: unresolved, without the hydra node
-            atomic_write_bytes(recorded, OmegaConf.to_yaml(cfg).encode())
+    kept = {}
+    for key in RESUMED_MODULE_KEYS:
+        if key in saved and key in module:
+            value = list(saved[key]) if isinstance(saved[key], tuple) else saved[key]
+            if module[key] != value:
+                kept[key] = value
+    if kept:
+        record = {f"module.{k}": {"asked": module[k], "kept": v} for k, v in kept.items()}
+        resumed = Path(cfg.paths.output_dir) / ".hydra" / "resumed.yaml"
+        atomic_write_bytes(resumed, OmegaConf.to_yaml(OmegaConf.create(record)).encode())
         log.warning(
             "%s ignored: the optimizer and its schedule resume from %s; start a new run "
             "with init_from=%s to train with other settings",
-            ", ".join(ignored),
+            ", ".join(f"module.{k}={module[k]} (keeps {v})" for k, v in kept.items()),
             path,
             path,
         )
+    return kept
 
 
 # Model arguments that a run started from a checkpoint's weights can take over them: they
@@ -433,9 +444,19 @@ def _model_keys_given() -> set[str]:
     return given
 
 
-def model_to_start_from(cfg: DictConfig) -> dict[str, torch.Tensor] | None:
-    """For ``init_from=PATH``: put that checkpoint's model arguments into ``cfg.model`` and
-    return its network weights (``net.*`` without the prefix); None without ``init_from``.
+@dataclass
+class StartFrom:
+    """What ``init_from`` starts a run from: the model's arguments, and its network's
+    weights (``net.*`` without the prefix)."""
+
+    model: dict[str, Any]
+    weights: dict[str, torch.Tensor]
+
+
+def model_to_start_from(cfg: DictConfig) -> StartFrom | None:
+    """For ``init_from=PATH``: that checkpoint's model arguments (with the command line's
+    regularisation over them) and its network weights; None without ``init_from``. ``cfg``
+    is not changed.
 
     A ``model.*`` key given on the command line that only regularises (``dropout``,
     ``drop_path_rate``, ...) is applied over the checkpoint's; any other that differs from
@@ -478,8 +499,7 @@ def model_to_start_from(cfg: DictConfig) -> dict[str, torch.Tensor] | None:
         )
     if kept:
         log.warning("init_from=%s: the checkpoint's model trains: %s", path, ", ".join(kept))
-    with open_dict(cfg):
-        cfg.model = OmegaConf.create(model)
     log.info("init_from=%s: model %s, training from epoch 0", path, model)
     prefix = "net."
-    return {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+    weights = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+    return StartFrom(model, weights)

@@ -105,7 +105,7 @@ def _check_model_fits_data(model: dict[str, Any], datamodule_cls: type) -> None:
             )
 
 
-def check_config(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig, model: dict[str, Any] | None = None) -> None:
     """Fail fast, before any data is read or a model is built, on settings that cannot work.
 
     Every key's type and range against the schema (vit_mnist/settings.py), then what needs
@@ -114,13 +114,15 @@ def check_config(cfg: DictConfig) -> None:
     directory can be written when the data must be fetched into it, a logger for the
     callbacks that write through one, and each logger's folder can be written.
 
+    ``model``: the model's arguments when they are not ``cfg.model``'s (``init_from``'s).
+
     Raises:
         ConfigError: one line naming the key, the value and what would be valid.
     """
     # Every key's type and range (seed_everything would truncate seed=1.5 to 1 while
     # metrics.json recorded 1.5); what follows checks values against each other.
     check_settings(cfg, TrainSettings)
-    model = _resolved(cfg.model)
+    model = model or _resolved(cfg.model)
     check_model_args(model)
     data = cfg.data
     if data.get("augment"):
@@ -206,24 +208,29 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         ConfigError: an impossible setting (checked before data or model are built).
         DataError: data files that cannot be found, fetched or verified.
     """
-    init = model_to_start_from(cfg)
-    check_config(cfg)
+    start = model_to_start_from(cfg)
+    model = start.model if start else _resolved(cfg.model)
+    check_config(cfg, model)
+    # The config stays what the user composed (and .hydra/config.yaml records): what
+    # init_from and a resume decide is in `start` and `resume`.
+    OmegaConf.set_readonly(cfg, True)
     # What the student learnt from, for metrics.json and its checkpoints (checked above).
-    teacher = check_teacher(cfg.module.get("teacher_ckpt"), _resolved(cfg.model), cfg.data._target_)
-    ckpt_path, start_step = resume_checkpoint(cfg)
+    teacher = check_teacher(cfg.module.get("teacher_ckpt"), model, cfg.data._target_)
+    resume = resume_checkpoint(cfg)
+    ckpt_path, start_step = resume.path, resume.start_step
     L.seed_everything(cfg.seed, workers=True)
 
     log.info("Building datamodule <%s>", cfg.data._target_)
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
     if hasattr(datamodule, "check_batch_size"):
         datamodule.check_batch_size()  # before the speed paths are timed on such batches
-    log.info("Building model: %s", _resolved(cfg.model))
+    log.info("Building model: %s", model)
     # _convert_="all": plain dicts and lists, so checkpoints load with weights_only=True.
     module: ViTClassifier = hydra.utils.instantiate(
-        cfg.module, model=_resolved(cfg.model), _convert_="all"
+        cfg.module, model=model, **resume.module, _convert_="all"
     )
-    if init is not None:
-        module.net.load_state_dict(init)
+    if start is not None:
+        module.net.load_state_dict(start.weights)
     choice = prepare_speed(module, cfg, datamodule)
     module.run_info = {"data": _resolved(cfg.data), "precision": choice.precision, "seed": cfg.seed}
     if teacher is not None:
@@ -263,6 +270,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         **test_metrics,
         "num_params": num_params,
         "train_time_s": round(train_time_s, 2),
+        "model": model,  # what trained: init_from's, else the config's
         **_run_metrics(cfg, trainer, datamodule, choice),
         "best_ckpt": best_ckpt or None,
         "resumed_from": str(ckpt_path) if ckpt_path else None,
@@ -300,7 +308,6 @@ def _run_metrics(
     (:meth:`TrainThroughput.metrics`), the trainer and the datamodule."""
     throughput = next((c for c in trainer.callbacks if isinstance(c, TrainThroughput)), None)
     return {
-        "model": _resolved(cfg.model),
         **choice.metrics(),
         **(throughput.metrics(trainer.world_size) if throughput else {}),
         "world_size": trainer.world_size,
