@@ -210,7 +210,7 @@ def test_ddp_in_a_local_multirun_starts_its_processes_as_this_job(monkeypatch, t
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from vit_mnist.cli import prepare_ddp_launch
+    from vit_mnist.train import prepare_ddp_launch
 
     cfg = compose_with_hydra("train", ["trainer=ddp", "seed=2"])
     cfg.hydra.mode = RunMode.MULTIRUN

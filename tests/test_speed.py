@@ -487,8 +487,8 @@ def test_under_cpu_ddp_each_process_times_its_steps_on_its_share_of_the_cores(mo
 
     from omegaconf import OmegaConf
 
-    from vit_mnist.cli import prepare_ddp_launch
     from vit_mnist.module import ViTClassifier
+    from vit_mnist.train import prepare_ddp_launch
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     threads = torch.get_num_threads()

@@ -1,5 +1,5 @@
 """Command-line entry points: ``python train.py`` and the console script ``vit-mnist-train``
-are the same function, and so on for eval, predict and export.
+are the same function, and so on for eval, predict, export and explore.
 
 The configs are read from the package ``vit_mnist.configs``, which is the top-level
 ``configs/`` folder of a source checkout (see ``[tool.setuptools.package-dir]`` in
@@ -13,7 +13,6 @@ import atexit
 import gc
 import importlib
 import importlib.resources
-import logging
 import os
 import signal
 import sys
@@ -27,65 +26,45 @@ import hydra
 from omegaconf import DictConfig
 
 CONFIG_PATH = "pkg://vit_mnist.configs"
-_ENV_AT_START = dict(os.environ)
+CONFIG_NAMES = {"train": "train", "evaluate": "eval", "predict": "predict", "export": "export"}
+CONFIG_NAMES["explore"] = "explore"
 
 # The interpreter's last garbage collection at exit walks every object that torch and
 # Lightning made at import: 1.3 s of a 1.6 s exit on a 2-core CPU, after the program has
 # finished and every file it writes is closed. Frozen, they are left to the process's end.
 atexit.register(gc.freeze)
 
-
 _STARTED: list[str] = []  # the task whose body has begun (see _start)
 
 
 def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
-    """Wrap a ``@hydra.main`` function for the command line.
-
-    - Hydra's own errors before the task runs (an unknown key, a group option that does
-      not exist, an override it cannot parse, a run dir it cannot create) become one line
-      on stderr and exit status 2, with the fix: the nearest setting's name, or the right
-      ``+``/``++`` form. Hydra prints them itself, over several lines, unless
-      ``HYDRA_FULL_ERROR`` is set; it is set here so they reach this wrapper (a user who set
-      it gets Hydra's full report as before).
-    - Exit status 1 after a multirun in which a job failed (each such job wrote
-      ``failed.json`` and the others ran: :func:`vit_mnist.errors.exit_on_user_error`,
-      :class:`vit_mnist.errors.SweepFailures`), whichever launcher ran the jobs.
-    - A user error raised by the sweeper itself (an Optuna study's ``optimized_metric``) is
-      one line and exit status 2, as in a single run.
-    - A stop by Ctrl-C or SIGTERM (130, 143) exits at once: see :func:`_exit_at_once`.
-    """
+    """Wrap a ``@hydra.main`` function for the command line: Hydra's own errors before the
+    task runs (an unknown key, a group option that does not exist, an override it cannot
+    parse, a run dir it cannot create) become one line and exit status 2, with the fix;
+    exit status 1 after a multirun in which a job failed (each wrote its ``failed.json``,
+    :func:`vit_mnist.errors.exit_on_user_error`, and the others ran)."""
 
     @wraps(main)
     def wrapper() -> Any:
-        user_setting = os.environ.get("HYDRA_FULL_ERROR")
-        user_wants_full_errors = bool(user_setting)
+        # Without it, Hydra prints its own errors over several lines and exits 1; with it,
+        # they reach this wrapper. Set for this call only: processes started later (tests,
+        # DDP's) read the user's own setting, and a user who set it gets Hydra's report.
+        full_errors = os.environ.get("HYDRA_FULL_ERROR")
         os.environ["HYDRA_FULL_ERROR"] = "1"
-        _register_plugins()
         try:
             result = main()
-        except SystemExit as e:
-            if e.code in STOPPED_BY_SIGNAL:
-                _exit_at_once(e.code)
-            raise
         except Exception as e:
-            from vit_mnist.errors import USER_ERRORS
-
-            line = None
-            if isinstance(e, USER_ERRORS):  # the sweeper's own check (hparams_search=...)
-                line = str(e)
-            elif not user_wants_full_errors and not _STARTED:
-                line = _hydra_error_line(e, main.__name__, sys.argv[1:])
+            told = not (full_errors or _STARTED)
+            line = _hydra_error_line(e, main.__name__, sys.argv[1:]) if told else None
             if line is None:
                 raise
             print(f"error: {line}", file=sys.stderr)
             raise SystemExit(2) from None
         finally:
-            # The user's own setting again for what runs after this call in this process
-            # (another entry point, a test) and the processes started after it.
-            if user_setting is None:
-                os.environ.pop("HYDRA_FULL_ERROR", None)
+            if full_errors is None:
+                os.environ.pop("HYDRA_FULL_ERROR")
             else:
-                os.environ["HYDRA_FULL_ERROR"] = user_setting
+                os.environ["HYDRA_FULL_ERROR"] = full_errors
         from vit_mnist.errors import FAILED_JOBS
 
         if FAILED_JOBS:
@@ -98,54 +77,10 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
     return wrapper
 
 
-def _register_plugins() -> None:
-    """Register this project's Hydra plugin, the Optuna study's sweeper
-    (hydra_plugins/vit_mnist_study), by name: Hydra finds plugins by listing the
-    ``hydra_plugins`` package, which an editable install (``pip install -e``) does not list."""
-    from hydra.core.plugins import Plugins
-
-    from hydra_plugins.vit_mnist_study import StudySweeper
-
-    Plugins.instance().register(StudySweeper)
-
-
-# The exit statuses of a stop by Ctrl-C or SIGTERM: 128 + the signal's number.
-STOPPED_BY_SIGNAL = (128 + signal.SIGINT, 128 + signal.SIGTERM)
-
-
-def _exit_at_once(code: int) -> None:
-    """Exit with ``code`` without the interpreter's teardown of torch and Lightning (1.3 s
-    on a 2-core CPU, most of the time from a signal to the exit).
-
-    Called once the stop has unwound the whole program: every ``finally`` and ``with`` has
-    run, Lightning has closed its loggers, each file is written whole and the stop has been
-    said. Only the log handlers and the console still hold text; they are flushed here.
-    """
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
-
-
-# The start of Hydra's message for ``+key=value`` on a key the config has already; it has no
-# type of its own (a ConfigCompositionException without a cause). tests/test_cli.py pins it
-# against the installed Hydra, so that a rewording fails there.
-APPEND_EXISTING = "Could not append to config. An item is already at '{key}'."
-
-
-def _given(key: str, argv: list[str]) -> str | None:
-    """The value that the command line gives ``key`` (``key=v``, ``+key=v``, ``++key=v``)."""
-    for arg in argv:
-        name, eq, value = arg.lstrip("+~").partition("=")
-        if eq and name == key:
-            return value
-    return None
-
-
 def _hydra_error_line(error: Exception, command: str, argv: list[str]) -> str | None:
     """One line for an error Hydra raised while composing the config, before the task began;
-    None for anything else. Recognised by type (and the attributes Hydra gives its
-    errors), not by the wording of the message, except where noted."""
+    None for anything else. Told apart by type, the attributes Hydra gives its errors and
+    what the project itself checks, never by the wording of the message."""
     from hydra.errors import (
         ConfigCompositionException,
         HydraException,
@@ -154,52 +89,42 @@ def _hydra_error_line(error: Exception, command: str, argv: list[str]) -> str | 
     )
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-    text = str(error).strip()
-    first = text.splitlines()[0] if text else type(error).__name__
+    text = " ".join(str(error).split()) or type(error).__name__
     if isinstance(error, OverrideParseException):
         return (
-            f"cannot read the override {error.override}: {error.message.splitlines()[0]} "
-            "(quote lists and values with spaces: 'model.num_heads=[2,4]'; grammar: "
+            f"cannot read the override {error.override} (quote lists and values with spaces: "
+            "'model.num_heads=[2,4]'; grammar: "
             "https://hydra.cc/docs/advanced/override_grammar/basic/)"
         )
     if isinstance(error, MissingConfigException):
-        if error.missing_cfg_file is None:
-            # No primary config at all: configs/ is the package vit_mnist.configs only once
-            # the project is installed.
-            return (
-                f"{first} Install the project first: pip install -e . in the checkout "
-                "(the README's quick start)"
-            )
+        if error.missing_cfg_file is None:  # no configs/: the project is not installed
+            return f"{text} Install the project first: pip install -e . (the quick start)"
         group, _, option = error.missing_cfg_file.rpartition("/")
         if group and error.options is not None:
             return (
                 f"{group}={option} is not an option of {group}; choose one of "
                 f"{list(error.options)} (the files in configs/{group}/)"
             )
-        return first
+        return text
     if isinstance(error, ConfigCompositionException):
         cause = error.__cause__
         if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
             return _unknown_override(cause.full_key, argv, command)
-        for arg in argv:
-            key, _, value = arg[1:].partition("=")
-            if (
-                arg.startswith("+")
-                and not arg.startswith("++")
-                and text.startswith(APPEND_EXISTING.format(key=key))
-            ):
-                return (
-                    f"{key} is a setting already: drop the + ({key}={value}), or write ++ to "
-                    f"set a key whether or not it exists (++{key}={value})"
-                )
-        return " ".join(text.split())
+        key = _added_but_set(command, argv) if cause is None else None
+        if key is not None:
+            value = _given(key, argv)
+            return (
+                f"{key} is a setting already: drop the + ({key}={value}), or write ++ to "
+                f"set a key whether or not it exists (++{key}={value})"
+            )
+        return text
     if isinstance(error, OSError) and error.filename:
         return (
             f"cannot create the run dir {error.filename}: {error.strerror}; choose a folder "
             "you can write with hydra.run.dir=PATH (or hydra.sweep.dir=PATH with -m)"
         )
     if isinstance(error, HydraException):
-        return " ".join(text.split())
+        return text
     nulled = _group_set_to_null(argv)
     if isinstance(error, ValueError) and nulled is not None:
         # Hydra refuses `group=null` with a bare ValueError, before its own error types.
@@ -212,20 +137,60 @@ def _hydra_error_line(error: Exception, command: str, argv: list[str]) -> str | 
     return None
 
 
-def _group_set_to_null(argv: list[str]) -> tuple[str, list[str]] | None:
-    """``(group, its options)`` of the first ``group=null`` (or ``+group=null``) in ``argv``,
-    a group being a folder of ``configs/`` (options: its YAML files) or a path such as
-    ``hydra/launcher`` (options not listed: Hydra's plugins add some); None when there is none."""
-    configs = importlib.resources.files("vit_mnist.configs")
+def _overrides(argv: list[str]) -> list[tuple[str, str, str]]:
+    """``(prefix, key, value)`` of each ``key=value`` override (prefix ``+``, ``++``, ``~``
+    or empty)."""
+    found = []
     for arg in argv:
-        key, eq, value = arg.lstrip("+").partition("=")
-        if not eq or value.lower() != "null" or arg.startswith("~"):
+        name, eq, value = arg.partition("=")
+        key = name.lstrip("+~")
+        if eq:
+            found.append((name[: len(name) - len(key)], key, value))
+    return found
+
+
+def _given(key: str, argv: list[str]) -> str | None:
+    """The value that the command line gives ``key`` (``key=v``, ``+key=v``, ``++key=v``)."""
+    return next((v for _, k, v in _overrides(argv) if k == key), None)
+
+
+def _added_but_set(command: str, argv: list[str]) -> str | None:
+    """The first ``+key=value`` whose key the config sets already: the config composed
+    again without the ``+`` overrides has it. None when there is none, or when the config
+    does not compose without them either."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    added = [k for p, k, _ in _overrides(argv) if p == "+"]
+    plain = [a for a in argv if not (a.startswith("+") and not a.startswith("++"))]
+    if not added:
+        return None
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module("vit_mnist.configs", version_base="1.3"):
+            cfg = compose(CONFIG_NAMES[command], overrides=plain)
+    except Exception:  # noqa: BLE001 - another error: passed on as Hydra wrote it
+        return None
+    finally:
+        GlobalHydra.instance().clear()
+    absent = object()
+    return next((k for k in added if OmegaConf.select(cfg, k, default=absent) is not absent), None)
+
+
+def _group_set_to_null(argv: list[str]) -> tuple[str, list[str]] | None:
+    """``(group, its options)`` of the first ``group=null`` (or ``+group=null``), a group
+    being a folder of ``configs/`` (options: its YAML files) or a path such as
+    ``hydra/launcher`` (options not listed: Hydra's plugins add some); None without one."""
+    configs = importlib.resources.files("vit_mnist.configs")
+    for prefix, key, value in _overrides(argv):
+        if value.lower() != "null" or "~" in prefix:
             continue
-        if "/" in key:  # its options may come from Hydra's plugins too
+        if "/" in key:
             return key, []
-        folder = configs.joinpath(key)
-        if folder.is_dir():
-            return key, sorted(f.name[:-5] for f in folder.iterdir() if f.name.endswith(".yaml"))
+        if configs.joinpath(key).is_dir():
+            options = configs.joinpath(key).iterdir()
+            return key, sorted(f.name[:-5] for f in options if f.name.endswith(".yaml"))
     return None
 
 
@@ -239,7 +204,7 @@ def _unknown_override(key: str, argv: list[str], command: str) -> str:
     if key not in RETIRED and name in known_keys(schema, section):
         # A setting that this config's YAML leaves out, or a null section (eval.py's data)
         # under which a key was given (data.batch_size=512).
-        under = (a.lstrip("+") for a in argv if a.lstrip("+").startswith(f"{key}."))
+        under = (f"{k}={v}" for _, k, v in _overrides(argv) if k.startswith(f"{key}."))
         arg = f"{key}={value}" if value is not None else next(under, f"{key}=...")
         return f"{key} is not set by this config; add it with a +: +{arg}"
     return unknown_key(key, schema, "..." if value is None else value)
@@ -253,8 +218,7 @@ def _start(task: str, cfg: DictConfig, command: str | None = None) -> ModuleType
     ``task`` by default), which needs neither: a bad value is one line (exit status 2) in
     about a second, not after them. The task checks again with what needs the imports; in
     a multirun it alone does, so that a bad job is recorded once and the sweep goes on.
-    Ctrl-C during the imports ends the program with one line and status 130 (128 +
-    SIGINT), not a traceback through the importers: nothing has been run or written yet.
+    Ctrl-C during the imports ends the program with one line and status 130.
     """
     from vit_mnist.errors import exit_on_user_error, multirun_job_dir
     from vit_mnist.settings import SETTINGS, check_settings
@@ -285,8 +249,7 @@ class _Stopped(BaseException):
 def _stops_in_one_line(body: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
     """``body(cfg)`` (eval.py's, export.py's or explore.py's); Ctrl-C or SIGTERM at any stage
     ends the program with one line saying which files of the run dir are complete (every
-    file is written whole, :mod:`vit_mnist.io`), exit status 130 or 143. Before, Ctrl-C in
-    eval.py's figures was a 75-line traceback with no word that the run was incomplete."""
+    file is written whole, :mod:`vit_mnist.io`), exit status 130 or 143."""
 
     def stop(signum: int, frame: Any) -> None:
         raise _Stopped(signum)
@@ -303,60 +266,14 @@ def _stops_in_one_line(body: Callable[[DictConfig], Any], cfg: DictConfig) -> An
             if p.is_file() and not p.name.startswith(".") and p.suffix != ".log"
         )
         done = f"complete in {out}: {', '.join(made)}; nothing else" if made else "no file"
-        done += " was written"
-        print(f"\nStopped by {what} during {Path(sys.argv[0]).name}; {done}.", file=sys.stderr)
+        print(
+            f"\nStopped by {what} during {Path(sys.argv[0]).name}; {done} was written.",
+            file=sys.stderr,
+        )
         raise SystemExit(128 + e.signum) from None
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-
-
-def prepare_ddp_launch(trainer_cfg: DictConfig) -> None:
-    """Prepare a DDP run: on a CPU, each process's share of the cores, which Lightning sets
-    when fit starts (unless ``OMP_NUM_THREADS`` does), is set now, so that the speed paths
-    are timed as they will run; and Lightning's DDP starts its extra processes as this one
-    job, not as the sweep.
-
-    Lightning starts DDP's extra processes by running ``sys.argv`` again in
-    ``HydraConfig.run.dir``; inside a local multirun (``-m``) that command line is the whole
-    sweep and that folder is not the job's. So the command line becomes this job's own
-    overrides with ``hydra.mode=RUN``, and ``run.dir`` this job's run dir. Under SLURM
-    (submitit) or torchrun the processes are started outside, one per task, and nothing is
-    re-run.
-    """
-    import torch
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
-    from omegaconf import open_dict, read_write
-
-    from vit_mnist.hardware import uses_cuda
-
-    if not str(trainer_cfg.get("strategy", "auto")).startswith("ddp"):
-        return
-    processes = trainer_cfg.get("devices")
-    on_cpu = not uses_cuda(str(trainer_cfg.get("accelerator"))) and isinstance(processes, int)
-    if on_cpu and processes > 1 and "OMP_NUM_THREADS" not in os.environ:
-        affinity = getattr(os, "sched_getaffinity", None)  # not on macOS
-        cores = len(affinity(0)) if affinity else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // processes))
-    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
-        return
-    if SLURMEnvironment.detect() or TorchElasticEnvironment.detect():
-        return
-    # The job before this one left its process group and Lightning's rank variables behind;
-    # with LOCAL_RANK set, Lightning would take this process for a child and start none.
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        if key in _ENV_AT_START:
-            os.environ[key] = _ENV_AT_START[key]
-        else:
-            os.environ.pop(key, None)
-    hydra_cfg = HydraConfig.get()
-    sys.argv = [sys.argv[0], *hydra_cfg.overrides.task, "hydra.mode=RUN"]
-    with read_write(hydra_cfg), open_dict(hydra_cfg):
-        hydra_cfg.run.dir = hydra_cfg.runtime.output_dir
 
 
 @_command_line
@@ -364,9 +281,7 @@ def prepare_ddp_launch(trainer_cfg: DictConfig) -> None:
 def train(cfg: DictConfig) -> dict[str, Any] | float | None:
     """``vit-mnist-train [overrides]`` = ``python train.py [overrides]``. Returns the run's
     metrics, or with ``optimized_metric`` set (a hyper-parameter search) that one value."""
-    task = _start("train", cfg)
-    prepare_ddp_launch(cfg.trainer)
-    metrics = task.main(cfg)
+    metrics = _start("train", cfg).main(cfg)
     name = cfg.get("optimized_metric")
     if not name:
         return metrics

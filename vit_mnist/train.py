@@ -7,6 +7,7 @@ import inspect
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -360,6 +361,54 @@ def _quiet_write_errors(hook: Callable[[Any], None]) -> Callable[[Any], None]:
     return quiet
 
 
+# The environment this process started with: a DDP job inside a multirun puts it back.
+_ENV_AT_START = dict(os.environ)
+
+
+def prepare_ddp_launch(trainer_cfg: DictConfig) -> None:
+    """Prepare a DDP run: on a CPU, each process's share of the cores, which Lightning sets
+    when fit starts (unless ``OMP_NUM_THREADS`` does), is set now, so that the speed paths
+    are timed as they will run; and Lightning's DDP starts its extra processes as this one
+    job, not as the sweep.
+
+    Lightning starts DDP's extra processes by running ``sys.argv`` again in
+    ``HydraConfig.run.dir``; inside a local multirun (``-m``) that command line is the whole
+    sweep and that folder is not the job's. So the command line becomes this job's own
+    overrides with ``hydra.mode=RUN``, and ``run.dir`` this job's run dir. Under SLURM
+    (submitit) or torchrun the processes are started outside, one per task, and nothing is
+    re-run.
+    """
+    from hydra.types import RunMode
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+    from omegaconf import open_dict, read_write
+
+    if not str(trainer_cfg.get("strategy", "auto")).startswith("ddp"):
+        return
+    processes = trainer_cfg.get("devices")
+    on_cpu = not uses_cuda(str(trainer_cfg.get("accelerator"))) and isinstance(processes, int)
+    if on_cpu and processes > 1 and "OMP_NUM_THREADS" not in os.environ:
+        affinity = getattr(os, "sched_getaffinity", None)  # not on macOS
+        cores = len(affinity(0)) if affinity else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // processes))
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    if SLURMEnvironment.detect() or TorchElasticEnvironment.detect():
+        return
+    # The job before this one left its process group and Lightning's rank variables behind;
+    # with LOCAL_RANK set, Lightning would take this process for a child and start none.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        if key in _ENV_AT_START:
+            os.environ[key] = _ENV_AT_START[key]
+        else:
+            os.environ.pop(key, None)
+    hydra_cfg = HydraConfig.get()
+    sys.argv = [sys.argv[0], *hydra_cfg.overrides.task, "hydra.mode=RUN"]
+    with read_write(hydra_cfg), open_dict(hydra_cfg):
+        hydra_cfg.run.dir = hydra_cfg.runtime.output_dir
+
+
 @exit_on_user_error
 def main(cfg: DictConfig) -> dict[str, Any]:
     """The body of ``python train.py``: ``train(cfg)``, bad input reported in one line.
@@ -370,6 +419,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     and print the command that resumes (:class:`~vit_mnist.callbacks.SaveOnInterrupt`);
     anywhere else they stop at once with one line.
     """
+    prepare_ddp_launch(cfg.trainer)
     previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     previous_hook = threading.excepthook
     threading.excepthook = _quiet_write_errors(previous_hook)
