@@ -101,6 +101,7 @@ BAD = [
     ("train", ["speed.compile=sometimes"], ["speed.compile=sometimes", "true or false"]),
     # More than 4 pixels moves a digit's stroke out of the frame (issue 55: 12.7% at 100).
     ("train", ["module.test_time_shift=100"], ["module.test_time_shift=100", "in [0, 4]"]),
+    ("train", ["module.test_time_shift=1.5"], ["module.test_time_shift=1.5", "whole number"]),
     ("evaluate", ["ckpt_path=x", "test_time_shift=5"], ["test_time_shift=5", "in [0, 4]"]),
     ("train", ["data.std=0.7"], ["data.std=0.7", "in (0, 0.5]", "data.std=0.3081"]),
     ("train", ["data.mean=-0.1"], ["data.mean=-0.1", "in [0, 1]"]),

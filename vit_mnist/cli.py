@@ -42,7 +42,9 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
     task runs (an unknown key, a group option that does not exist, an override it cannot
     parse, a run dir it cannot create) become one line and exit status 2, with the fix;
     exit status 1 after a multirun in which a job failed (each wrote its ``failed.json``,
-    :func:`vit_mnist.errors.exit_on_user_error`, and the others ran)."""
+    :func:`vit_mnist.errors.exit_on_user_error`, and the others ran), whichever launcher
+    ran the jobs; a user error raised by the sweeper itself (an Optuna study's
+    ``optimized_metric``) is one line and exit status 2, as in a single run."""
 
     @wraps(main)
     def wrapper() -> Any:
@@ -51,11 +53,16 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
         # DDP's) read the user's own setting, and a user who set it gets Hydra's report.
         full_errors = os.environ.get("HYDRA_FULL_ERROR")
         os.environ["HYDRA_FULL_ERROR"] = "1"
+        _register_plugins()
         try:
             result = main()
         except Exception as e:
+            from vit_mnist.errors import USER_ERRORS
+
             told = not (full_errors or _STARTED)
             line = _hydra_error_line(e, main.__name__, sys.argv[1:]) if told else None
+            if isinstance(e, USER_ERRORS):  # the sweeper's own check (hparams_search=...)
+                line = str(e)
             if line is None:
                 raise
             print(f"error: {line}", file=sys.stderr)
@@ -75,6 +82,17 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
         return result
 
     return wrapper
+
+
+def _register_plugins() -> None:
+    """Register this project's Hydra plugin, the Optuna study's sweeper
+    (hydra_plugins/vit_mnist_study), by name: Hydra finds plugins by listing the
+    ``hydra_plugins`` package, which an editable install (``pip install -e``) does not list."""
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.vit_mnist_study import StudySweeper
+
+    Plugins.instance().register(StudySweeper)
 
 
 def _hydra_error_line(error: Exception, command: str, argv: list[str]) -> str | None:
