@@ -168,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, help="PNG of test accuracy against num_heads")
     parser.add_argument("--title", default="heads sweep", help="title of the plot")
     parser.add_argument(
+        "--default-run",
+        type=Path,
+        help="a default `python train.py` run dir on the same machine, the same day: each "
+        "row's fitting time over its (the CPU recipes' budget is at most 8x)",
+    )
+    parser.add_argument(
         "--analyse-heads", action="store_true", help="run eval.py analysis=heads on each run"
     )
     parser.add_argument(
@@ -195,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = group_rows(runs)
-    table = markdown_table(rows)
+    default = find_runs([args.default_run])[0] if args.default_run else None
+    table = markdown_table(rows, default)
     failed = find_failed(args.run_dirs)
     if failed:
         table += f"\n{len(failed)} failed job(s), not in the table:\n\n"

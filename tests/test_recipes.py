@@ -284,10 +284,31 @@ def test_results_table_gives_the_whole_command_beside_the_fitting_time(tmp_path)
         fake_run(tmp_path / "timed" / str(seed), heads=4, seed=seed, acc=0.99, more=more)
     fake_run(tmp_path / "plain" / "1", heads=8, seed=1, acc=0.99)
     timed, plain = group_rows(find_runs([tmp_path / "timed", tmp_path / "plain"]))
-    assert timed.markdown()[5:7] == ["102", "140"]
-    assert plain.markdown()[5:7] == ["101", "-"]
+    assert timed.markdown()[5:8] == ["102", "-", "140"]
+    assert plain.markdown()[5:8] == ["101", "-", "-"]
     table = markdown_table([timed, plain])
     assert len({line.count(" | ") for line in table.strip().splitlines()}) == 1
+
+
+def test_results_table_gives_each_recipes_fitting_time_over_the_default_runs(tmp_path):
+    # A CPU recipe's budget is at most 8x the default run's fitting time on the same CPU.
+    cpu = {"device": "cpu (EPYC, AVX512-BF16, 2 threads)"}
+    fake_run(tmp_path / "default", heads=4, seed=42, acc=0.99, more={**cpu, "fit_time_s": 200.0})
+    for seed, fit in [(1, 1500.0), (2, 1700.0)]:
+        more = {**cpu, "device": "cpu (EPYC, AVX512-BF16, 2 processes x 1 thread)"}
+        fake_run(
+            tmp_path / "recipe" / str(seed),
+            heads=4,
+            seed=seed,
+            acc=0.99,
+            more={**more, "fit_time_s": fit},
+        )
+    fake_run(tmp_path / "other" / "1", heads=8, seed=1, acc=0.99, more={"fit_time_s": 900.0})
+    (default,) = find_runs([tmp_path / "default"])
+    recipe, other = group_rows(find_runs([tmp_path / "recipe", tmp_path / "other"]))
+    assert recipe.budget(default) == "8.00x (7.50-8.50) of 200 s"
+    assert other.budget(default) == "-"  # another CPU: no unit
+    assert "8.00x (7.50-8.50) of 200 s" in markdown_table([recipe, other], default)
 
 
 def test_results_table_gives_each_cpu_class_its_own_row(tmp_path):

@@ -51,6 +51,11 @@ class Run:
                 return device.replace(", ", f", {found.group(1)}, ", 1)
         return device
 
+    def cpu(self) -> str:
+        """The CPU's name and class from :meth:`device` (``cpu (AMD EPYC, AVX512-BF16``),
+        without the thread count: what a budget's unit depends on."""
+        return ", ".join(self.device().split(", ")[:2])
+
     def command(self) -> str:
         """``python train.py`` with this run's overrides, seed and Hydra's own left out,
         each quoted where a shell would read it (``[0.95,1.05]`` is a glob pattern)."""
@@ -105,7 +110,19 @@ class Row:
         except (OSError, ValueError, KeyError, TypeError):
             return "no metrics.json beside its checkpoint"
 
-    def markdown(self) -> list[str]:
+    def budget(self, default: Run | None) -> str:
+        """Each seed's fitting time over ``default``'s (a default ``python train.py`` run,
+        the unit of the CPU recipes' budgets), as ``mean (min-max)x of <default> s``; ``-``
+        without one, or when ``default`` ran on another CPU (name and class)."""
+        fit = self.fit_times()
+        if default is None or not fit or default.cpu() != self.runs[0].cpu():
+            return "-"
+        base = float(default.metrics["fit_time_s"])
+        ratios = [f / base for f in fit]
+        spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+        return f"{statistics.fmean(ratios):.2f}x{spread} of {_seconds(base)} s"
+
+    def markdown(self, default: Run | None = None) -> list[str]:
         m = self.first
         seeds = sorted(r.seed for r in self.runs)
         mean, std = self.test_acc
@@ -125,6 +142,7 @@ class Row:
             str(m.get("epochs")),
             f"{self.runs[0].device()}, {m.get('precision')}",
             _seconds(statistics.fmean(fit)) if fit else "-",
+            self.budget(default),
             _seconds(statistics.fmean(command)) if command else "-",
             test,
             f"{100 * statistics.fmean(val):.2f}" if val else "-",
@@ -213,6 +231,7 @@ HEADER = [
     "epochs",
     "hardware, precision",
     "fitting time (s, mean)",
+    "fitting time / the default run's on that CPU",
     "whole command (s, mean)",
     "test acc % (mean +- std over seeds)",
     "best val acc % (mean)",
@@ -230,9 +249,10 @@ def _markdown(header: Sequence[str], lines: Iterable[Sequence[str]]) -> str:
     return out.getvalue()
 
 
-def markdown_table(rows: Sequence[Row]) -> str:
-    """A Markdown table, one line per row, in the order given."""
-    return _markdown(HEADER, (row.markdown() for row in rows))
+def markdown_table(rows: Sequence[Row], default: Run | None = None) -> str:
+    """A Markdown table, one line per row, in the order given; ``default``: the default
+    run whose fitting time is the budgets' unit on its CPU (:meth:`Row.budget`)."""
+    return _markdown(HEADER, (row.markdown(default) for row in rows))
 
 
 def heads_curve(rows: Sequence[Row]) -> list[tuple[int, float, float, int]]:
