@@ -52,6 +52,7 @@ from vit_mnist.results import (
     heads_sweep_table,
     markdown_table,
     patch_tokens,
+    proxy_table,
     roles_table,
     runs_table,
 )
@@ -168,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, help="PNG of test accuracy against num_heads")
     parser.add_argument("--title", default="heads sweep", help="title of the plot")
     parser.add_argument(
+        "--proxy-report",
+        action="store_true",
+        help="print whether the validation accuracy after a quarter and a half of each run "
+        "ranks the runs as their full length does (a study's proxy check)",
+    )
+    parser.add_argument(
         "--default-run",
         type=Path,
         help="a default `python train.py` run dir on the same machine, the same day: each "
@@ -218,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         heads_plot(rows, args.plot, args.title)
         print(f"wrote {args.plot}", file=sys.stderr)
+    if args.proxy_report:
+        print("\n" + proxy_table(runs), end="")
     if args.analyse_heads:
         analyse_heads(runs, args.heads_test_fraction)
     if args.heads_report:

@@ -424,3 +424,24 @@ def test_ema_callback_trains_and_validates_with_averaged_weights(make_train_cfg)
     assert cfg.callbacks.ema._target_.endswith("EMAWeightAveraging")
     metrics = train(cfg)
     assert 0 <= metrics["test/acc"] <= 1 and metrics["epochs"] == 2
+
+
+def test_proxy_table_ranks_the_configurations_by_their_early_and_full_validation(tmp_path):
+    # A study's proxy is trusted only if its ranking agrees with the full runs' (issue 77).
+    from torch.utils.tensorboard import SummaryWriter
+
+    from vit_mnist.results import proxy_table
+
+    curves = {  # c starts fastest but ends last: the quarter proxy gets it wrong
+        "a": [0.50, 0.60, 0.70, 0.80, 0.85, 0.90, 0.92, 0.93],
+        "b": [0.40, 0.55, 0.75, 0.795, 0.86, 0.89, 0.90, 0.91],
+        "c": [0.70, 0.75, 0.78, 0.79, 0.80, 0.81, 0.82, 0.83],
+    }
+    for name, curve in curves.items():
+        fake_run(tmp_path / name, heads=4, seed=1, acc=curve[-1])
+        with SummaryWriter(tmp_path / name / "tensorboard") as writer:
+            for step, value in enumerate(curve):
+                writer.add_scalar("val/acc", value, step)
+    table = proxy_table(find_runs([tmp_path / n for n in curves])).splitlines()
+    assert table[2].split(" | ")[1:5] == ["8", "60.00", "80.00", "93.00"]
+    assert table[-1].split(" | ")[2:4] == ["-0.50", "+1.00"]

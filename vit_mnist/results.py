@@ -636,6 +636,42 @@ def circuits_table(rows: Sequence[Row]) -> str:
     return _markdown(header, lines)
 
 
+def val_curve(run: Run) -> list[float]:
+    """The run's ``val/acc`` after each epoch (fractions), from its TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run.path / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    if "val/acc" not in events.Tags()["scalars"]:
+        return []
+    return [e.value for e in sorted(events.Scalars("val/acc"), key=lambda e: e.step)]
+
+
+def proxy_table(runs: Sequence[Run], fractions: Sequence[float] = (0.25, 0.5)) -> str:
+    """Whether a short run would have ranked a study's configurations as their full runs
+    do: per configuration (a run dir), the validation accuracy after the first ``fraction``
+    of its epochs (what a pruner sees of a full-length trial: Optuna's median pruner or
+    Hyperband through the Lightning callback) and at the end (best), then Spearman's rank
+    correlation of each proxy with the full run over the configurations."""
+    studied = [(run, curve) for run in runs if (curve := val_curve(run))]
+    header = ["configuration", "epochs"]
+    header += [f"val acc % after {f:.0%} of the epochs" for f in fractions]
+    header += ["best val acc % (full run)", "test acc %"]
+    lines, proxies = [], {f: [] for f in fractions}
+    best = [max(curve) for _, curve in studied]
+    for run, curve in studied:
+        cells = [f"`{run.path.name}`", str(len(curve))]
+        for f in fractions:
+            value = curve[max(0, round(f * len(curve)) - 1)]
+            proxies[f].append(value)
+            cells.append(f"{100 * value:.2f}")
+        cells += [f"{100 * max(curve):.2f}", f"{100 * float(run.metrics['test/acc']):.2f}"]
+        lines.append(cells)
+    rho = ["Spearman with the full run", ""]
+    rho += [f"{_spearman(proxies[f], best):+.2f}" for f in fractions] + ["", ""]
+    return _markdown(header, [*lines, rho])
+
+
 def heads_sweep_figure(rows: Sequence[Row], out: Path) -> Path:
     """Per-head entropy, mean attention distance and accuracy drop against the number of
     heads: one dot per head of every seed and layer, the median as a line (PNG)."""
