@@ -10,7 +10,8 @@ from torch import nn
 from vit_mnist.models.attention import MultiHeadSelfAttention
 from vit_mnist.models.checks import check_vit_args
 from vit_mnist.models.cnn import ConvNet, check_cnn_args
-from vit_mnist.models.vit import EncoderBlock, PatchEmbedding, VisionTransformer
+from vit_mnist.models.stem import PatchEmbedding
+from vit_mnist.models.vit import EncoderBlock, VisionTransformer
 from vit_mnist.settings import ModelSettings, check_arguments
 
 __all__ = [

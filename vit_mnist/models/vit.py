@@ -1,4 +1,4 @@
-"""The Vision Transformer: patch embedding, pre-norm encoder blocks, classification head.
+"""The Vision Transformer: encoder blocks and classification head over models/stem.py's tokens.
 
 Dosovitskiy et al. 2021, "An Image is Worth 16x16 Words", eq. 1-4:
 
@@ -16,46 +16,12 @@ teacher's hard labels (vit_mnist/distillation.py).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 from torchvision.ops import StochasticDepth
 
 from vit_mnist.models.attention import MultiHeadSelfAttention
 from vit_mnist.models.checks import check_vit_args
-from vit_mnist.models.stem import ConvStem
-
-
-class PatchEmbedding(nn.Module):
-    """Cut an image into non-overlapping patches and project each to ``embed_dim``.
-
-    ViT eq. 1 as written: each patch flattened to ``in_chans * patch_size**2`` pixels and
-    multiplied by E. E is held as a convolution's weight (D, C, p, p) (kernel = stride = p,
-    the same linear map), the layout timm and every checkpoint of this project use.
-
-    Shapes: (batch, in_chans, img_size, img_size) float -> (batch, num_patches, embed_dim),
-    with ``num_patches = (img_size // patch_size) ** 2``.
-    """
-
-    def __init__(self, *, img_size: int, patch_size: int, in_chans: int, embed_dim: int) -> None:
-        super().__init__()
-        self.img_size = img_size
-        self.patch_size = patch_size
-        self.grid_size = img_size // patch_size
-        self.num_patches = self.grid_size**2
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-2:] != (self.img_size, self.img_size):
-            raise ValueError(
-                f"image of size {tuple(x.shape[-2:])} given to a model built for "
-                f"img_size={self.img_size}; resize the images or rebuild the model"
-            )
-        p = self.patch_size
-        patches = rearrange(x, "b c (gh p1) (gw p2) -> b (gh gw) (c p1 p2)", p1=p, p2=p)
-        # A matrix product, not the convolution: oneDNN's backward of a one-channel
-        # convolution is slow on AVX2 CPUs.
-        return F.linear(patches, self.proj.weight.flatten(1), self.proj.bias)  # x_p E
+from vit_mnist.models.stem import ConvStem, PatchEmbedding
 
 
 class MLP(nn.Module):
@@ -76,41 +42,23 @@ class MLP(nn.Module):
 
 
 class EncoderBlock(nn.Module):
-    """Pre-norm transformer encoder block: ViT eq. 2 and 3, one residual line each.
+    """Pre-norm transformer encoder block: ViT eq. 2 and 3, one residual line each, around
+    the given attention ``attn`` and an MLP ``round(embed_dim * mlp_ratio)`` wide.
 
     Shapes: (batch, tokens, embed_dim) -> (batch, tokens, embed_dim); with
     ``need_weights=True`` also the attention weights (batch, num_heads, tokens, tokens).
     """
 
     def __init__(
-        self,
-        *,
-        embed_dim: int,
-        num_heads: int,
-        head_dim: int | None = None,
-        mlp_ratio: float = 2.0,
-        dropout: float = 0.0,
-        attn_dropout: float = 0.0,
-        attention_impl: str = "explicit",
-        causal: bool = False,
-        qkv_bias: bool = True,
-        drop_path: float = 0.0,
+        self, attn: MultiHeadSelfAttention, *, mlp_ratio: float, dropout: float, drop_path: float
     ) -> None:
         super().__init__()
+        embed_dim = attn.embed_dim
         # Stochastic depth (Huang et al. 2016): in training, each image skips the residual
         # branch with probability drop_path (the survivors are scaled by 1 / (1 - p)).
         self.drop_path = StochasticDepth(drop_path, mode="row")
         self.norm1 = nn.LayerNorm(embed_dim)
-        self.attn = MultiHeadSelfAttention(
-            embed_dim=embed_dim,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            qkv_bias=qkv_bias,
-            attn_dropout=attn_dropout,
-            proj_dropout=dropout,
-            causal=causal,
-            impl=attention_impl,
-        )
+        self.attn = attn
         self.norm2 = nn.LayerNorm(embed_dim)
         self.mlp = MLP(
             embed_dim=embed_dim, hidden_dim=round(embed_dim * mlp_ratio), dropout=dropout
@@ -198,11 +146,13 @@ class VisionTransformer(nn.Module):
     ) -> None:
         super().__init__()
         stem_channels = list(stem_channels)  # a tuple, or a config's ListConfig
-        arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        check_vit_args(**arguments)  # every constructor argument, by name
-        self.img_size, self.in_chans = img_size, in_chans
-        self.num_heads = num_heads
-        self.depth = depth
+        check_vit_args(**{k: v for k, v in locals().items() if k not in ("self", "__class__")})
+        self.img_size, self.in_chans, self.num_heads, self.depth = (
+            img_size,
+            in_chans,
+            num_heads,
+            depth,
+        )
         heads = [num_heads] * depth if isinstance(num_heads, int) else list(num_heads)
         pixels = {"img_size": img_size, "patch_size": patch_size, "in_chans": in_chans}
         self.patch_embed = (
@@ -218,15 +168,18 @@ class VisionTransformer(nn.Module):
         self.pos_drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
             EncoderBlock(
-                embed_dim=embed_dim,
-                num_heads=heads[i],
-                head_dim=head_dim,
+                MultiHeadSelfAttention(
+                    embed_dim=embed_dim,
+                    num_heads=heads[i],
+                    head_dim=head_dim,
+                    qkv_bias=qkv_bias,
+                    attn_dropout=attn_dropout,
+                    proj_dropout=dropout,
+                    causal=causal,
+                    impl=attention_impl,
+                ),
                 mlp_ratio=mlp_ratio,
                 dropout=dropout,
-                attn_dropout=attn_dropout,
-                attention_impl=attention_impl,
-                causal=causal,
-                qkv_bias=qkv_bias,
                 drop_path=drop_path_rate * i / max(depth - 1, 1),
             )
             for i in range(depth)
@@ -237,19 +190,16 @@ class VisionTransformer(nn.Module):
         self.init_weights()
 
     def init_weights(self) -> None:
-        """Truncated-normal(0.02) for weights and embeddings, zeros for biases (as in timm)."""
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        nn.init.trunc_normal_(self.cls_token, std=0.02)
-        if self.dist_token is not None:
-            nn.init.trunc_normal_(self.dist_token, std=0.02)
+        """Truncated-normal(0.02) for weights and embeddings, zeros for biases (as in timm);
+        LayerNorms keep their own ones and zeros."""
+        for token in (self.pos_embed, self.cls_token, self.dist_token):
+            if token is not None:
+                nn.init.trunc_normal_(token, std=0.02)
         for m in self.modules():
             if isinstance(m, nn.Linear | nn.Conv2d):
                 nn.init.trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
 
     def prefix_tokens(self, batch: int) -> list[torch.Tensor]:
         """The CLS token (and the distillation token), each (batch, 1, D), as views."""
@@ -293,14 +243,9 @@ class VisionTransformer(nn.Module):
         return self.forward_head(self.forward_features(x))
 
     def forward_with_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Logits and every block's attention weights, via the explicit path.
-
-        Works whatever ``attention_impl`` the model was built with.
-
-        Returns:
-            logits (B, num_classes) and a list of ``depth`` tensors, each
-            (B, block's num_heads, tokens, tokens), rows summing to 1.
-        """
+        """Images (B, C, H, W) -> logits (B, num_classes) and every block's attention weights
+        (``depth`` tensors (B, block's num_heads, T, T), rows summing to 1), computed by the
+        explicit path whatever ``attention_impl`` the model was built with."""
         x = self.embed(x)
         weights = []
         for block in self.blocks:
