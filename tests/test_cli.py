@@ -322,7 +322,7 @@ def test_hydra_errors_are_told_apart_by_type():
     )
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-    from vit_mnist.cli import _hydra_error_line
+    from vit_mnist.hydra_errors import hydra_error_line
 
     def error(*overrides: str) -> Exception:
         GlobalHydra.instance().clear()
@@ -339,7 +339,7 @@ def test_hydra_errors_are_told_apart_by_type():
     assert isinstance(typo, ConfigCompositionException)
     assert isinstance(typo.__cause__, (ConfigAttributeError, ConfigKeyError))
     assert typo.__cause__.full_key == "model.num_head"
-    line = _hydra_error_line(typo, "train", ["model.num_head=4"])
+    line = hydra_error_line(typo, "train", "train", ["model.num_head=4"])
     assert "did you mean model.num_heads? (model.num_heads=4)" in line
 
     group = error("data=imagenet")
@@ -349,26 +349,28 @@ def test_hydra_errors_are_told_apart_by_type():
 
     parse = error("model.num_heads=[2,")
     assert isinstance(parse, OverrideParseException) and parse.override == "model.num_heads=[2,"
-    assert "cannot read the override model.num_heads=[2," in _hydra_error_line(parse, "train", [])
+    assert "cannot read the override model.num_heads=[2," in hydra_error_line(
+        parse, "train", "train", []
+    )
 
     plus = error("+model.num_heads=4")
     assert type(plus) is ConfigCompositionException and plus.__cause__ is None
-    line = _hydra_error_line(plus, "train", ["+model.num_heads=4"])
+    line = hydra_error_line(plus, "train", "train", ["+model.num_heads=4"])
     assert line.startswith("model.num_heads is a setting already: drop the +")
     # A + on a key the config does not set is not that error.
-    assert _hydra_error_line(plus, "train", ["+trainer.gradient_clip_val=1"]) == " ".join(
+    assert hydra_error_line(plus, "train", "train", ["+trainer.gradient_clip_val=1"]) == " ".join(
         str(plus).split()
     )
     # `group=null` is refused by a plain ValueError, named by the group's override alone.
     nulled = error("logger=null")
     assert type(nulled) is ValueError
-    assert "~logger" in _hydra_error_line(nulled, "train", ["logger=null"])
-    assert _hydra_error_line(nulled, "train", ["seed=null"]) is None
+    assert "~logger" in hydra_error_line(nulled, "train", "train", ["logger=null"])
+    assert hydra_error_line(nulled, "train", "train", ["seed=null"]) is None
     # Any other error without a cause is passed on as Hydra wrote it, in one line.
     sweep = error("model.depth=1,2")
-    assert _hydra_error_line(sweep, "train", ["+model.foo=1", "model.depth=1,2"]) == " ".join(
-        str(sweep).split()
-    )
+    assert hydra_error_line(
+        sweep, "train", "train", ["+model.foo=1", "model.depth=1,2"]
+    ) == " ".join(str(sweep).split())
 
 
 def test_no_regex_reads_a_hydra_message():

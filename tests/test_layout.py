@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # From the entry points down; a module may import from its own layer or the ones below.
 LAYERS: list[tuple[str, list[str]]] = [
     ("entry points", ["vit_mnist.cli"]),
+    ("Hydra's errors in one line", ["vit_mnist.hydra_errors"]),
     (
         "tasks",
         [

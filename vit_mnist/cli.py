@@ -14,16 +14,18 @@ import gc
 import importlib
 import importlib.resources
 import os
-import signal
 import sys
 from collections.abc import Callable
 from functools import wraps
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig
+
+from vit_mnist import errors
+from vit_mnist.errors import USER_ERRORS, stops_in_one_line
+from vit_mnist.hydra_errors import hydra_error_line
 
 CONFIG_PATH = "pkg://vit_mnist.configs"
 CONFIG_NAMES = {"train": "train", "evaluate": "eval", "predict": "predict", "export": "export"}
@@ -57,10 +59,10 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
         try:
             result = main()
         except Exception as e:
-            from vit_mnist.errors import USER_ERRORS
-
             told = not (full_errors or _STARTED)
-            line = _hydra_error_line(e, main.__name__, sys.argv[1:]) if told else None
+            command = main.__name__
+            argv = sys.argv[1:]
+            line = hydra_error_line(e, command, CONFIG_NAMES[command], argv) if told else None
             if isinstance(e, USER_ERRORS):  # the sweeper's own check (hparams_search=...)
                 line = str(e)
             if line is None:
@@ -72,11 +74,10 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
                 os.environ.pop("HYDRA_FULL_ERROR")
             else:
                 os.environ["HYDRA_FULL_ERROR"] = full_errors
-        from vit_mnist.errors import FAILED_JOBS
 
-        if FAILED_JOBS:
-            print(f"{len(FAILED_JOBS)} job(s) of the sweep failed:", file=sys.stderr)
-            for job_dir, message in FAILED_JOBS:
+        if errors.FAILED_JOBS:  # read now: the sweep's callback (and a test) set it
+            print(f"{len(errors.FAILED_JOBS)} job(s) of the sweep failed:", file=sys.stderr)
+            for job_dir, message in errors.FAILED_JOBS:
                 print(f"  {job_dir}: {message}", file=sys.stderr)
             raise SystemExit(1)
         return result
@@ -93,139 +94,6 @@ def _register_plugins() -> None:
     from hydra_plugins.vit_mnist_study import StudySweeper
 
     Plugins.instance().register(StudySweeper)
-
-
-def _hydra_error_line(error: Exception, command: str, argv: list[str]) -> str | None:
-    """One line for an error Hydra raised while composing the config, before the task began;
-    None for anything else. Told apart by type, the attributes Hydra gives its errors and
-    what the project itself checks, never by the wording of the message."""
-    from hydra.errors import (
-        ConfigCompositionException,
-        HydraException,
-        MissingConfigException,
-        OverrideParseException,
-    )
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
-
-    text = " ".join(str(error).split()) or type(error).__name__
-    if isinstance(error, OverrideParseException):
-        return (
-            f"cannot read the override {error.override} (quote lists and values with spaces: "
-            "'model.num_heads=[2,4]'; grammar: "
-            "https://hydra.cc/docs/advanced/override_grammar/basic/)"
-        )
-    if isinstance(error, MissingConfigException):
-        if error.missing_cfg_file is None:  # no configs/: the project is not installed
-            return f"{text} Install the project first: pip install -e . (the quick start)"
-        group, _, option = error.missing_cfg_file.rpartition("/")
-        if group and error.options is not None:
-            return (
-                f"{group}={option} is not an option of {group}; choose one of "
-                f"{list(error.options)} (the files in configs/{group}/)"
-            )
-        return text
-    if isinstance(error, ConfigCompositionException):
-        cause = error.__cause__
-        if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
-            return _unknown_override(cause.full_key, argv, command)
-        key = _added_but_set(command, argv) if cause is None else None
-        if key is not None:
-            value = _given(key, argv)
-            return (
-                f"{key} is a setting already: drop the + ({key}={value}), or write ++ to "
-                f"set a key whether or not it exists (++{key}={value})"
-            )
-        return text
-    if isinstance(error, OSError) and error.filename:
-        return (
-            f"cannot create the run dir {error.filename}: {error.strerror}; choose a folder "
-            "you can write with hydra.run.dir=PATH (or hydra.sweep.dir=PATH with -m)"
-        )
-    if isinstance(error, HydraException):
-        return text
-    nulled = _group_set_to_null(argv)
-    if isinstance(error, ValueError) and nulled is not None:
-        # Hydra refuses `group=null` with a bare ValueError, before its own error types.
-        key, options = nulled
-        choose = f", or choose one of {options} ({key}=NAME)" if options else ""
-        return (
-            f"{key}=null: a config group cannot be set to null on the command line; leave "
-            f"the group out with ~{key}{choose}"
-        )
-    return None
-
-
-def _overrides(argv: list[str]) -> list[tuple[str, str, str]]:
-    """``(prefix, key, value)`` of each ``key=value`` override (prefix ``+``, ``++``, ``~``
-    or empty)."""
-    found = []
-    for arg in argv:
-        name, eq, value = arg.partition("=")
-        key = name.lstrip("+~")
-        if eq:
-            found.append((name[: len(name) - len(key)], key, value))
-    return found
-
-
-def _given(key: str, argv: list[str]) -> str | None:
-    """The value that the command line gives ``key`` (``key=v``, ``+key=v``, ``++key=v``)."""
-    return next((v for _, k, v in _overrides(argv) if k == key), None)
-
-
-def _added_but_set(command: str, argv: list[str]) -> str | None:
-    """The first ``+key=value`` whose key the config sets already: the config composed
-    again without the ``+`` overrides has it. None when there is none, or when the config
-    does not compose without them either."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
-
-    added = [k for p, k, _ in _overrides(argv) if p == "+"]
-    plain = [a for a in argv if not (a.startswith("+") and not a.startswith("++"))]
-    if not added:
-        return None
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_module("vit_mnist.configs", version_base="1.3"):
-            cfg = compose(CONFIG_NAMES[command], overrides=plain)
-    except Exception:  # noqa: BLE001 - another error: passed on as Hydra wrote it
-        return None
-    finally:
-        GlobalHydra.instance().clear()
-    absent = object()
-    return next((k for k in added if OmegaConf.select(cfg, k, default=absent) is not absent), None)
-
-
-def _group_set_to_null(argv: list[str]) -> tuple[str, list[str]] | None:
-    """``(group, its options)`` of the first ``group=null`` (or ``+group=null``), a group
-    being a folder of ``configs/`` (options: its YAML files) or a path such as
-    ``hydra/launcher`` (options not listed: Hydra's plugins add some); None without one."""
-    configs = importlib.resources.files("vit_mnist.configs")
-    for prefix, key, value in _overrides(argv):
-        if value.lower() != "null" or "~" in prefix:
-            continue
-        if "/" in key:
-            return key, []
-        if configs.joinpath(key).is_dir():
-            options = configs.joinpath(key).iterdir()
-            return key, sorted(f.name[:-5] for f in options if f.name.endswith(".yaml"))
-    return None
-
-
-def _unknown_override(key: str, argv: list[str], command: str) -> str:
-    """``model.num_head=4``: the nearest setting, or how to add an argument with ``+``."""
-    from vit_mnist.settings import RETIRED, SETTINGS, known_keys, unknown_key
-
-    schema = SETTINGS[command]
-    value = _given(key, argv)
-    section, _, name = key.rpartition(".")
-    if key not in RETIRED and name in known_keys(schema, section):
-        # A setting that this config's YAML leaves out, or a null section (eval.py's data)
-        # under which a key was given (data.batch_size=512).
-        under = (f"{k}={v}" for _, k, v in _overrides(argv) if k.startswith(f"{key}."))
-        arg = f"{key}={value}" if value is not None else next(under, f"{key}=...")
-        return f"{key} is not set by this config; add it with a +: +{arg}"
-    return unknown_key(key, schema, "..." if value is None else value)
 
 
 def _start(task: str, cfg: DictConfig, command: str | None = None) -> ModuleType:
@@ -254,46 +122,6 @@ def _start(task: str, cfg: DictConfig, command: str | None = None) -> ModuleType
     return module
 
 
-class _Stopped(BaseException):
-    """Ctrl-C or SIGTERM, raised by :func:`_stops_in_one_line`'s handler. Not a
-    ``KeyboardInterrupt``: Lightning turns that into exit status 1 and Gradio's server loop
-    swallows it; this passes through both (each cleans up on the way) to one line."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _stops_in_one_line(body: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
-    """``body(cfg)`` (eval.py's, export.py's or explore.py's); Ctrl-C or SIGTERM at any stage
-    ends the program with one line saying which files of the run dir are complete (every
-    file is written whole, :mod:`vit_mnist.io`), exit status 130 or 143."""
-
-    def stop(signum: int, frame: Any) -> None:
-        raise _Stopped(signum)
-
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return body(cfg)
-    except _Stopped as e:
-        what = "Ctrl-C" if e.signum == signal.SIGINT else "SIGTERM"
-        out = cfg.paths.output_dir
-        made = sorted(
-            p.name
-            for p in Path(out).glob("*")
-            if p.is_file() and not p.name.startswith(".") and p.suffix != ".log"
-        )
-        done = f"complete in {out}: {', '.join(made)}; nothing else" if made else "no file"
-        print(
-            f"\nStopped by {what} during {Path(sys.argv[0]).name}; {done} was written.",
-            file=sys.stderr,
-        )
-        raise SystemExit(128 + e.signum) from None
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
 @_command_line
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="train")
 def train(cfg: DictConfig) -> dict[str, Any] | float | None:
@@ -312,7 +140,7 @@ def train(cfg: DictConfig) -> dict[str, Any] | float | None:
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="eval")
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """``vit-mnist-eval ckpt_path=PATH`` = ``python eval.py ckpt_path=PATH``."""
-    return _stops_in_one_line(_start("evaluate", cfg).main, cfg)
+    return stops_in_one_line(_start("evaluate", cfg).main, cfg)
 
 
 @_command_line
@@ -326,11 +154,11 @@ def predict(cfg: DictConfig) -> Any:
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="export")
 def export(cfg: DictConfig) -> Any:
     """``vit-mnist-export ckpt_path=PATH format=onnx`` = ``python scripts/export.py ...``."""
-    return _stops_in_one_line(_start("export", cfg).main, cfg)
+    return stops_in_one_line(_start("export", cfg).main, cfg)
 
 
 @_command_line
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="explore")
 def explore(cfg: DictConfig) -> Any:
     """``vit-mnist-explore ckpt_path=PATH`` = ``python scripts/explore.py ckpt_path=PATH``."""
-    return _stops_in_one_line(_start("explorer", cfg, "explore").main, cfg)
+    return stops_in_one_line(_start("explorer", cfg, "explore").main, cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -125,3 +126,43 @@ def exit_on_user_error(func: Callable[..., Any]) -> Callable[..., Any]:
             return None
 
     return wrapper
+
+
+class Stopped(BaseException):
+    """Ctrl-C or SIGTERM, raised by :func:`stops_in_one_line`'s handler. Not a
+    ``KeyboardInterrupt``: Lightning turns that into exit status 1 and Gradio's server loop
+    swallows it; this passes through both (each cleans up on the way) to one line."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def stops_in_one_line(body: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
+    """``body(cfg)`` (eval.py's, export.py's or explore.py's main); Ctrl-C or SIGTERM at any
+    stage ends the program with one line saying which files of the run dir are complete
+    (every file is written whole, :mod:`vit_mnist.io`), exit status 130 or 143."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return body(cfg)
+    except Stopped as e:
+        what = "Ctrl-C" if e.signum == signal.SIGINT else "SIGTERM"
+        out = cfg.paths.output_dir
+        made = sorted(
+            p.name
+            for p in Path(out).glob("*")
+            if p.is_file() and not p.name.startswith(".") and p.suffix != ".log"
+        )
+        done = f"complete in {out}: {', '.join(made)}; nothing else" if made else "no file"
+        print(
+            f"\nStopped by {what} during {Path(sys.argv[0]).name}; {done} was written.",
+            file=sys.stderr,
+        )
+        raise SystemExit(128 + e.signum) from None
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
