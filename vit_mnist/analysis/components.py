@@ -18,8 +18,9 @@ an argument (as Michel et al. 2019's gates xi_h, eq. 1), not a hook.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from einops import rearrange
@@ -152,6 +153,32 @@ def run_components(
         c.resid_post.append(x)
     c.logits = model.forward_head(model.norm(x))
     return c
+
+
+Read = TypeVar("Read")
+
+
+@torch.no_grad()
+def read_components(
+    model: VisionTransformer,
+    images: torch.Tensor,
+    read: Callable[[Components], Read],
+    batch_size: int,
+) -> list[Read]:
+    """``read(run_components(model, x))`` for each batch ``x`` of ``images`` (N, C, H, W,
+    any device), ``batch_size`` images at a time (memory, not results): the model in eval
+    mode, in float32 with autocast off, on its parameters' device; its mode restored."""
+    parameter = next(model.parameters())
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.autocast(parameter.device.type, enabled=False):
+            return [
+                read(run_components(model, images[i : i + batch_size].to(parameter)))
+                for i in range(0, len(images), batch_size)
+            ]
+    finally:
+        model.train(was_training)
 
 
 def resume(

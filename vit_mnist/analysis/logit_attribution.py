@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vit_mnist.analysis.components import Components, head_grid, run_components
+from vit_mnist.analysis.components import Components, head_grid, read_components
 from vit_mnist.models.vit import VisionTransformer
 
 
@@ -147,17 +147,7 @@ def direct_logit_attribution(
     Returns:
         :class:`LogitAttribution`, tensors on the CPU.
     """
-    parameter = next(model.parameters())
-    was_training = model.training
-    model.eval()
-    parts = []
-    try:
-        with torch.autocast(parameter.device.type, enabled=False):
-            for start in range(0, len(images), batch_size):
-                x = images[start : start + batch_size].to(parameter.device, parameter.dtype)
-                parts.append(attribution_of(model, run_components(model, x)))
-    finally:
-        model.train(was_training)
+    parts = read_components(model, images, lambda c: attribution_of(model, c), batch_size)
 
     def cat(name: str) -> torch.Tensor | None:
         values = [getattr(p, name) for p in parts]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vit_mnist.analysis.components import Components, run_components
+from vit_mnist.analysis.components import Components, read_components
 from vit_mnist.models.vit import VisionTransformer
 
 
@@ -81,18 +81,8 @@ def logit_lens(
     Returns:
         :class:`LogitLens`, on the CPU.
     """
-    parameter = next(model.parameters())
-    was_training = model.training
-    model.eval()
-    readings = []
-    try:
-        with torch.autocast(parameter.device.type, enabled=False):
-            for start in range(0, len(images), batch_size):
-                x = images[start : start + batch_size].to(parameter.device, parameter.dtype)
-                readings.append(lens_logits(model, run_components(model, x)).float().cpu())
-    finally:
-        model.train(was_training)
-    logits = torch.cat(readings)
+    readings = read_components(model, images, lambda c: lens_logits(model, c).cpu(), batch_size)
+    logits = torch.cat(readings).float()
     predictions = logits.argmax(-1)
     lens = LogitLens(
         logits=logits,
