@@ -172,7 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         "--proxy-report",
         action="store_true",
         help="print whether the validation accuracy after a quarter and a half of each run "
-        "ranks the runs as their full length does (a study's proxy check)",
+        "(and with --proxy-runs, short runs of the same names) ranks the runs as their full "
+        "length does (a study's proxy check)",
+    )
+    parser.add_argument(
+        "--proxy-runs",
+        type=Path,
+        help="with --proxy-report: a folder of short runs, each named as its full run",
     )
     parser.add_argument(
         "--default-run",
@@ -226,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         heads_plot(rows, args.plot, args.title)
         print(f"wrote {args.plot}", file=sys.stderr)
     if args.proxy_report:
-        print("\n" + proxy_table(runs), end="")
+        proxies = find_runs([args.proxy_runs]) if args.proxy_runs else []
+        print("\n" + proxy_table(runs, proxies), end="")
     if args.analyse_heads:
         analyse_heads(runs, args.heads_test_fraction)
     if args.heads_report:

@@ -432,16 +432,30 @@ def test_proxy_table_ranks_the_configurations_by_their_early_and_full_validation
 
     from vit_mnist.results import proxy_table
 
+    def run(path, curve):
+        fake_run(path, heads=4, seed=1, acc=curve[-1])
+        with SummaryWriter(path / "tensorboard") as writer:
+            for step, value in enumerate(curve):
+                writer.add_scalar("val/acc", value, step)
+
     curves = {  # c starts fastest but ends last: the quarter proxy gets it wrong
         "a": [0.50, 0.60, 0.70, 0.80, 0.85, 0.90, 0.92, 0.93],
         "b": [0.40, 0.55, 0.75, 0.795, 0.86, 0.89, 0.90, 0.91],
         "c": [0.70, 0.75, 0.78, 0.79, 0.80, 0.81, 0.82, 0.83],
     }
-    for name, curve in curves.items():
-        fake_run(tmp_path / name, heads=4, seed=1, acc=curve[-1])
-        with SummaryWriter(tmp_path / name / "tensorboard") as writer:
-            for step, value in enumerate(curve):
-                writer.add_scalar("val/acc", value, step)
-    table = proxy_table(find_runs([tmp_path / n for n in curves])).splitlines()
-    assert table[2].split(" | ")[1:5] == ["8", "60.00", "80.00", "93.00"]
-    assert table[-1].split(" | ")[2:4] == ["-0.50", "+1.00"]
+    shorts = {"a": [0.6, 0.7], "b": [0.5, 0.8], "c": [0.75, 0.78]}  # ranks b > c > a
+    for name in curves:
+        run(tmp_path / "full" / name, curves[name])
+        run(tmp_path / "short" / name, shorts[name])
+
+    def rows(table):
+        return [line.strip("| ").split(" | ") for line in table.splitlines()]
+
+    full = find_runs([tmp_path / "full"])
+    table = rows(proxy_table(full))
+    assert table[2] == ["`a`", "60.00", "80.00", "8", "93.00", "93.00"]
+    assert table[-1][1:3] == ["-0.50", "+1.00"]
+    table = rows(proxy_table(full, find_runs([tmp_path / "short"])))
+    assert table[0][1] == "2-epoch proxy: best val acc %"
+    assert table[2][1] == "70.00"
+    assert table[-1][1:4] == ["-0.50", "-0.50", "+1.00"]

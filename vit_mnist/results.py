@@ -647,29 +647,40 @@ def val_curve(run: Run) -> list[float]:
     return [e.value for e in sorted(events.Scalars("val/acc"), key=lambda e: e.step)]
 
 
-def proxy_table(runs: Sequence[Run], fractions: Sequence[float] = (0.25, 0.5)) -> str:
-    """Whether a short run would have ranked a study's configurations as their full runs
-    do: per configuration (a run dir), the validation accuracy after the first ``fraction``
-    of its epochs (what a pruner sees of a full-length trial: Optuna's median pruner or
-    Hyperband through the Lightning callback) and at the end (best), then Spearman's rank
-    correlation of each proxy with the full run over the configurations."""
+def proxy_table(
+    runs: Sequence[Run],
+    proxies: Sequence[Run] = (),
+    fractions: Sequence[float] = (0.25, 0.5),
+) -> str:
+    """Whether short runs would have ranked a study's configurations as their full runs do.
+
+    Per configuration (a run dir of ``runs``): the best validation accuracy of its short
+    proxy (the run dir of the same name among ``proxies``: its own schedule over fewer
+    epochs, as an Optuna study's trials run), the validation accuracy after the first
+    ``fraction`` of the full run's epochs (what a pruner sees of a full-length trial:
+    Optuna's median pruner or Hyperband through the Lightning callback) and the full run's
+    best; then Spearman's rank correlation of each proxy with the full runs' best. Values
+    are percentages; the test accuracy is shown, never ranked on."""
+    short = {run.path.name: max(val_curve(run), default=float("nan")) for run in proxies}
     studied = [(run, curve) for run in runs if (curve := val_curve(run))]
-    header = ["configuration", "epochs"]
-    header += [f"val acc % after {f:.0%} of the epochs" for f in fractions]
-    header += ["best val acc % (full run)", "test acc %"]
-    lines, proxies = [], {f: [] for f in fractions}
-    best = [max(curve) for _, curve in studied]
+    header = ["configuration"]
+    header += [f"{len(val_curve(proxies[0]))}-epoch proxy: best val acc %"] if proxies else []
+    header += [f"val acc % after {f:.0%} of the full run" for f in fractions]
+    header += ["full run: epochs", "best val acc %", "test acc %"]
+    lines, columns = [], {f: [] for f in ["short", *fractions]}
     for run, curve in studied:
-        cells = [f"`{run.path.name}`", str(len(curve))]
+        cells = [f"`{run.path.name}`"]
+        if proxies:
+            columns["short"].append(short.get(run.path.name, float("nan")))
+            cells.append(f"{100 * columns['short'][-1]:.2f}")
         for f in fractions:
-            value = curve[max(0, round(f * len(curve)) - 1)]
-            proxies[f].append(value)
-            cells.append(f"{100 * value:.2f}")
-        cells += [f"{100 * max(curve):.2f}", f"{100 * float(run.metrics['test/acc']):.2f}"]
-        lines.append(cells)
-    rho = ["Spearman with the full run", ""]
-    rho += [f"{_spearman(proxies[f], best):+.2f}" for f in fractions] + ["", ""]
-    return _markdown(header, [*lines, rho])
+            columns[f].append(curve[max(0, round(f * len(curve)) - 1)])
+            cells.append(f"{100 * columns[f][-1]:.2f}")
+        test = 100 * float(run.metrics["test/acc"])
+        lines.append([*cells, str(len(curve)), f"{100 * max(curve):.2f}", f"{test:.2f}"])
+    best = [max(curve) for _, curve in studied]
+    rho = [f"{_spearman(columns[k], best):+.2f}" for k in columns if columns[k]]
+    return _markdown(header, [*lines, ["Spearman with the full run", *rho, "", "", ""]])
 
 
 def heads_sweep_figure(rows: Sequence[Row], out: Path) -> Path:
