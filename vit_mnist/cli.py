@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import gc
 import importlib
-import importlib.resources
 import os
 import sys
 from collections.abc import Callable
