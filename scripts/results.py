@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--proxy-runs",
         type=Path,
-        help="with --proxy-report: a folder of short runs, each named as its full run",
+        help="a folder of short runs, each named as its full run, for the --proxy-report "
+        "table (which it implies)",
     )
     parser.add_argument(
         "--default-run",
@@ -210,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         runs = find_runs(args.run_dirs)
+        default = find_runs([args.default_run])[0] if args.default_run else None
+        proxies = find_runs([args.proxy_runs]) if args.proxy_runs else []
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = group_rows(runs)
-    default = find_runs([args.default_run])[0] if args.default_run else None
     table = markdown_table(rows, default)
     failed = find_failed(args.run_dirs)
     if failed:
@@ -231,8 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         heads_plot(rows, args.plot, args.title)
         print(f"wrote {args.plot}", file=sys.stderr)
-    if args.proxy_report:
-        proxies = find_runs([args.proxy_runs]) if args.proxy_runs else []
+    if args.proxy_report or proxies:
         print("\n" + proxy_table(runs, proxies), end="")
     if args.analyse_heads:
         analyse_heads(runs, args.heads_test_fraction)

@@ -459,3 +459,12 @@ def test_proxy_table_ranks_the_configurations_by_their_early_and_full_validation
     assert table[0][1] == "2-epoch proxy: best val acc %"
     assert table[2][1] == "70.00"
     assert table[-1][1:4] == ["-0.50", "-0.50", "+1.00"]
+
+
+def test_results_script_refuses_a_missing_proxy_or_default_run_in_one_line(tmp_path, capsys):
+    from scripts.results import main
+
+    fake_run(tmp_path / "runs" / "1", heads=4, seed=1, acc=0.9)
+    for option in ("--proxy-runs", "--default-run"):
+        assert main([str(tmp_path / "runs"), option, str(tmp_path / "nowhere")]) == 2
+        assert capsys.readouterr().err == f"error: {tmp_path / 'nowhere'} does not exist\n"
