@@ -139,7 +139,7 @@ def open_tab(page, name: str) -> None:
 
 def stroke(page, start: tuple[float, float], end: tuple[float, float]) -> None:
     """Draw a line on the Draw tab's canvas from ``start`` to ``end``, in fractions of its
-    width and height, with the brush the page has chosen."""
+    width and height."""
     box = page.locator("#sketch canvas").first.bounding_box()
 
     def at(point):
@@ -164,7 +164,7 @@ the change redraws has been received and decoded.
   model does not run: the query view, the input and the matrix are redrawn from the
   session's last explanation.
 - **stroke**: a line drawn on a cleared canvas, from the mouse's release; the new model view
-  has loaded. The browser uploads the drawing first, then as image."""
+  has loaded. The drawing goes with the event (no upload), then as image."""
 
 
 def timed(change, wait) -> float:
@@ -181,10 +181,10 @@ WHERE_THE_TIME_GOES = """Where an image change's time goes (an earlier profile, 
 shares): about a third on the server (the model's one forward and backward pass 6-10 ms, the
 pictures drawn 20-30 ms, Gradio's PNG encoding of them about 30 ms), two thirds in and
 between the browser's requests (the input reaching the server, the page fetching and decoding
-each picture). A stroke waits on the sketchpad itself: from the mouse's release to its upload
-of the drawing takes 0.9-1.4 s on a bare Gradio page with the same sketchpad and an empty
-handler, so strokes stay near a second whatever this project does; the rest is an image
-change."""
+each picture). A stroke is an image change whose drawing comes with the event: the Draw
+tab's canvas sends it as one PNG data URL at the mouse's release. Gradio's Sketchpad, which
+the page used before, first rendered and uploaded three PNGs: 0.9-1.4 s from the release to
+its upload on a bare Gradio page with an empty handler, about a second a stroke in all."""
 
 TARGETS = {
     "image": (200, 400),

@@ -6,7 +6,9 @@ inputs and settings. The page in a real browser: tests/test_explorer_browser.py.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
+import io
 import json
 import socket
 import threading
@@ -19,7 +21,7 @@ import pytest
 import torch
 from matplotlib import colormaps
 from omegaconf import OmegaConf
-from PIL import Image, ImageFile
+from PIL import Image, ImageDraw, ImageFile
 
 from tests.conftest import ROOT, compose_config
 from tests.test_predict import draw_digit
@@ -192,10 +194,28 @@ def test_inputs_are_read_as_predict_reads_them(explorer, tmp_path):
         explorer.from_file(fake)
     with pytest.raises(ValueError, match="notes.txt: not one of"):
         explorer.from_file(tmp_path / "notes.txt")
-    from PIL import Image
 
-    assert explorer.from_sketch({"composite": Image.new("RGBA", (50, 50))}) is None  # blank
-    assert explorer.from_sketch(None) is None
+    def as_sent(image, kind="PNG"):  # as the Draw tab's canvas sends a drawing
+        data = io.BytesIO()
+        image.save(data, kind)
+        return f"data:image/png;base64,{base64.b64encode(data.getvalue()).decode()}"
+
+    side = explorer_module.CANVAS_SIDE
+    assert explorer.from_sketch(as_sent(Image.new("RGBA", (side, side)))) is None  # blank
+    assert explorer.from_sketch(None) is None and explorer.from_sketch("") is None
+    drawing = Image.new("RGBA", (side, side))
+    ImageDraw.Draw(drawing).line([(140, 60), (140, 220)], fill="black", width=22)
+    assert explorer.from_sketch(as_sent(drawing)).shape == (1, 1, 28, 28)
+    # What only an API call can send: another size (checked before decoding), another
+    # format, not base64, not a data URL.
+    for bad in (
+        as_sent(Image.new("RGBA", (side + 1, side))),
+        as_sent(drawing.convert("RGB"), "JPEG"),
+        "data:image/png;base64,@@@",
+        "http://example.com/7.png",
+    ):
+        with pytest.raises(ValueError, match="PNG data URL of 280 x 280 pixels"):
+            explorer.from_sketch(bad)
     with pytest.raises(ValueError, match="choose 0 to 127"):
         explorer.from_test(128)
     # A click at pixel (x=60, y=200) of the 224-px picture is patch row 3, column 1.
@@ -389,7 +409,7 @@ def test_nothing_on_the_page_misleads_or_fetches(explorer, page, monkeypatch):
 
     (gallery,) = components(page, "Gallery")
     assert gallery.interactive is False  # not cleared, deleted from or uploaded to
-    for kind in ("Image", "Gallery", "Sketchpad"):
+    for kind in ("Image", "Gallery"):
         for component in components(page, kind):
             assert component.buttons is not None and "share" not in component.buttons
     assert page.delete_cache  # the files of uploads and drawings; tested in the browser
@@ -405,10 +425,10 @@ def test_nothing_on_the_page_misleads_or_fetches(explorer, page, monkeypatch):
         return str(Path(cache_dir) / "7.png")
 
     monkeypatch.setattr(processing_utils, "async_ssrf_protected_download", download)
-    for kind in ("File", "Sketchpad"):
-        (component,) = components(page, kind)
-        with pytest.raises(gradio.Error, match="uploads only"):
-            asyncio.run(component.async_move_resource_to_block_cache("http://example.com/7.png"))
+    (upload,) = components(page, "File")
+    with pytest.raises(gradio.Error, match="uploads only"):
+        asyncio.run(upload.async_move_resource_to_block_cache("http://example.com/7.png"))
+    assert components(page, "Sketchpad") == []  # the canvas sends its drawing, no file
     assert fetched == []
 
 

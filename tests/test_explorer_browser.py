@@ -37,11 +37,10 @@ def test_draw_clear_upload_and_switch_a_head_off(tmp_path):
             assert url.startswith("http://127.0.0.1:")
             page.goto(url)
             wait_for_summary(page, "example 0")
-            # Draw tab: the brush is ready as the page opens, as in Gradio's sketchpad
-            # demos; a stroke reaches the model as a drawing.
+            # Draw tab: a stroke right after the page opens reaches the model as a drawing.
             stroke(page, (0.5, 0.2), (0.5, 0.8))
             assert "predicted: " in wait_for_summary(page, "drawing: ")
-            # Clearing the canvas clears the panels, and the brush is ready again.
+            # Clearing the canvas clears the panels; the next stroke draws again.
             page.get_by_role("button", name="Clear canvas").click()
             page.wait_for_function(
                 "() => !document.querySelector('#summary').innerText.trim()"

@@ -18,8 +18,10 @@ but the pictures the page makes.
 
 from __future__ import annotations
 
+import base64
 import csv
 import errno
+import io
 import ipaddress
 import json
 import logging
@@ -77,15 +79,52 @@ SCALE_NOTE = (
     "attends almost evenly looks as vivid as a sharp one; with *shared*, all maps of a "
     "panel share one scale from 0 to the panel's largest value."
 )
-# Clicks the Draw tab's brush once the editor is there: Gradio's editor starts, and starts
-# again after "Clear canvas", with no tool chosen, and asks for one.
-PICK_BRUSH = """() => {
-    const pick = () => {
-        const brush = document.querySelector('#sketch button[aria-label="Brush"]');
-        brush ? brush.click() : setTimeout(pick, 100);
-    };
-    pick();
-}"""
+# The Draw tab's canvas, the page's own (Gradio's HTML component): at the pointer's release
+# the drawing goes with the event, one PNG data URL in one request. Gradio's Sketchpad
+# renders and uploads three PNGs first, about a second a stroke in headless Chromium on a
+# 2-core CPU, over the 500 ms asked (docs/explorer.md).
+CANVAS_SIDE = 280  # px
+INK_WIDTH = 22  # px
+SKETCH_HTML = (
+    f'<canvas width="{CANVAS_SIDE}" height="{CANVAS_SIDE}" role="img" aria-label="a canvas: '
+    'draw one digit with the mouse, a pen or a finger"></canvas>'
+    '<button type="button">Clear canvas</button>'
+)
+SKETCH_CSS = (
+    "canvas { display: block; background: white; border: 1px solid #bbb; "
+    "touch-action: none; cursor: crosshair; } button { margin-top: 6px; padding: 2px 10px; }"
+)
+SKETCH_JS = f"""
+const canvas = element.querySelector('canvas');
+const ink = canvas.getContext('2d');
+Object.assign(ink, {{lineWidth: {INK_WIDTH}, lineCap: 'round', lineJoin: 'round',
+                    strokeStyle: '#000'}});
+let drawing = false;
+const at = (e) => {{
+  const box = canvas.getBoundingClientRect();
+  return [(e.clientX - box.left) * canvas.width / box.width,
+          (e.clientY - box.top) * canvas.height / box.height];
+}};
+canvas.addEventListener('pointerdown', (e) => {{
+  drawing = true;
+  canvas.setPointerCapture(e.pointerId);
+  ink.beginPath(); ink.moveTo(...at(e)); ink.lineTo(...at(e)); ink.stroke();
+}});
+canvas.addEventListener('pointermove', (e) => {{
+  if (drawing) {{ ink.lineTo(...at(e)); ink.stroke(); }}
+}});
+const release = () => {{
+  if (!drawing) return;
+  drawing = false;
+  trigger('input', {{png: canvas.toDataURL('image/png')}});
+}};
+canvas.addEventListener('pointerup', release);
+canvas.addEventListener('pointercancel', release);
+element.querySelector('button').addEventListener('click', () => {{
+  ink.clearRect(0, 0, canvas.width, canvas.height);
+  trigger('input', {{png: null}});
+}});
+"""
 # Uploads, drawings and the pictures sent to the browser live in Gradio's cache folder;
 # Gradio deletes those older than this every as many seconds, and all when the page closes.
 CACHE_MAX_AGE_S = 3600
@@ -300,12 +339,30 @@ class Explorer:
                 "PNG, JPEG, BMP or WebP file"
             ) from None
 
-    def from_sketch(self, value: Any) -> torch.Tensor | None:
-        """The sketchpad's drawing (Gradio's editor value: a dict whose ``composite`` is a
-        PIL image, dark ink on a transparent or white canvas); None while it is blank."""
-        image = value.get("composite") if isinstance(value, dict) else value
-        if image is None:
+    def from_sketch(self, png: str | None) -> torch.Tensor | None:
+        """The Draw tab's drawing, as its canvas sends it: a PNG data URL
+        (``data:image/png;base64,...``) of :data:`CANVAS_SIDE` pixels square, dark ink on a
+        transparent canvas. None while it is blank (or cleared).
+
+        Raises:
+            ValueError: not a PNG data URL of the canvas's size (only an API call can send
+                one), said in the user's words.
+        """
+        if not png:
             return None
+        head, _, data = png.partition(",")
+        try:
+            if head != "data:image/png;base64":
+                raise ValueError
+            with Image.open(io.BytesIO(base64.b64decode(data, validate=True))) as image:
+                if image.format != "PNG" or image.size != (CANVAS_SIDE, CANVAS_SIDE):
+                    raise ValueError  # checked on the header, before the pixels are decoded
+                image.load()
+        except (ValueError, *UNREADABLE):
+            raise ValueError(
+                f"a drawing is sent as a PNG data URL of {CANVAS_SIDE} x {CANVAS_SIDE} pixels "
+                "(data:image/png;base64,...), as the Draw tab's canvas sends it"
+            ) from None
         try:
             return self.from_pixels(mnist_preprocess(image))
         except ValueError:  # nothing drawn yet, or everything erased
@@ -752,16 +809,10 @@ def build_page(explorer: Explorer):
             with gr.Column(scale=3):
                 with gr.Tabs():
                     with gr.Tab("Draw"):
-                        sketch = gr.Sketchpad(
-                            type="pil",
-                            image_mode="RGBA",
-                            canvas_size=(280, 280),
-                            fixed_canvas=True,
-                            layers=False,
-                            transforms=(),
-                            brush=gr.Brush(default_size=22, colors=["#000000"]),
-                            buttons=[],
-                            label="draw a digit",
+                        sketch = gr.HTML(
+                            html_template=SKETCH_HTML,
+                            css_template=SKETCH_CSS,
+                            js_on_load=SKETCH_JS,
                             elem_id="sketch",
                         )
                     with gr.Tab("Upload"):
@@ -1000,10 +1051,14 @@ def build_page(explorer: Explorer):
 
             return handler
 
-        def drawn(value, current, *values):
-            """A stroke shows the drawing; a canvas cleared (or erased) while the panels
-            show the drawing empties them."""
-            x = explorer.from_sketch(value)
+        def drawn(evt, current, *values):
+            """A stroke shows the drawing; a canvas cleared while the panels show the
+            drawing empties them."""
+            try:
+                x = explorer.from_sketch((evt._data or {}).get("png"))
+            except ValueError as e:
+                gr.Warning(str(e))
+                return [gr.skip()] * (1 + len(panels))
             if x is not None:
                 return show({"x": x, "source": DRAWING}, *values)
             if current is not None and current["source"] == DRAWING:
@@ -1060,27 +1115,23 @@ def build_page(explorer: Explorer):
             return f"saved: `{path}` and its settings, `{path.with_suffix('.json').name}`"
 
         pick_example.__annotations__ = {"evt": gr.SelectData}
+        drawn.__annotations__ = {"evt": gr.EventData}
         click.__annotations__ = {"evt": gr.SelectData}
         # Files only as uploads: Gradio fetches a URL that an API request names as the
         # file of an input; these components refuse it before anything is fetched.
-        for component in (sketch, upload):
-            component.async_move_resource_to_block_cache = _uploads_only(
-                gr, component.async_move_resource_to_block_cache
-            )
+        upload.async_move_resource_to_block_cache = _uploads_only(
+            gr, upload.async_move_resource_to_block_cache
+        )
         both = [state, *panels.values()]
         # No spinner over the panels; and a change made while the last one is computed is
         # shown after it (Gradio's default for these events drops it, leaving panels that
         # do not match the controls).
         quiet = {"show_progress": "hidden", "trigger_mode": "always_last"}
-        sketch.change(drawn, [sketch, state, *controls], both, **quiet)
+        sketch.input(drawn, [state, *controls], both, **quiet)
         upload.upload(new_input(read_upload), [upload, *controls], both, trigger_mode="always_last")
         index.input(new_input(read_test), [index, *controls], both, **quiet)
         gallery.select(pick_example, controls, both, **quiet)
         page.load(first_example, controls, both, **quiet)
-        # The brush ready on the Draw tab, as in Gradio's sketchpad demos, from the start
-        # and after the canvas is cleared (the editor starts, and clears, with no tool).
-        page.load(None, js=PICK_BRUSH)
-        sketch.clear(None, js=PICK_BRUSH)
         for control in (target, scale, *switches):
             control.input(show, [state, *controls], both, **quiet)
         seen.select(click, [state, *controls], [token, *queried], **quiet)
