@@ -213,6 +213,7 @@ def test_inputs_are_read_as_predict_reads_them(explorer, tmp_path):
         as_sent(drawing.convert("RGB"), "JPEG"),
         "data:image/png;base64,@@@",
         "http://example.com/7.png",
+        7,
     ):
         with pytest.raises(ValueError, match="PNG data URL of 280 x 280 pixels"):
             explorer.from_sketch(bad)
@@ -453,6 +454,18 @@ def test_refused_inputs_are_said_in_the_users_words(explorer, page, tmp_path, mo
     # range as a warning on the page; Gradio's own range check ends in a traceback.
     (number,) = components(page, "Number")
     assert number.preprocess(70_000) == 70_000
+    # A drawing the canvas would not send (only an API call can) is a warning on the page.
+    import gradio
+
+    warned = []
+    monkeypatch.setattr(gradio, "Warning", warned.append)
+    (drawn,) = [f.fn for f in page.fns.values() if f.name == "drawn"]
+    for sent in ({"png": "http://example.com/7.png"}, {"png": 7}, None):
+        shown = drawn(gradio.EventData(None, sent), None)
+        assert all(
+            isinstance(update, dict) and update.get("__type__") == "update" for update in shown
+        )
+    assert len(warned) == 2 and all("PNG data URL" in w for w in warned), warned
 
 
 def test_an_address_the_page_cannot_have_is_one_line(tmp_path, tiny_ckpt, capsys):

@@ -350,7 +350,7 @@ class Explorer:
         """
         if not png:
             return None
-        head, _, data = png.partition(",")
+        head, _, data = png.partition(",") if isinstance(png, str) else ("", "", "")
         try:
             if head != "data:image/png;base64":
                 raise ValueError
@@ -1055,7 +1055,8 @@ def build_page(explorer: Explorer):
             """A stroke shows the drawing; a canvas cleared while the panels show the
             drawing empties them."""
             try:
-                x = explorer.from_sketch((evt._data or {}).get("png"))
+                sent = evt._data if isinstance(evt._data, dict) else {}  # what the canvas sent
+                x = explorer.from_sketch(sent.get("png"))
             except ValueError as e:
                 gr.Warning(str(e))
                 return [gr.skip()] * (1 + len(panels))
