@@ -398,6 +398,9 @@ def test_what_each_head_writes_is_its_direct_logit_attribution(explorer):
         margin, e.head_attribution(e.predicted) - e.head_attribution((e.predicted + 1) % 10)
     )
     # The lens: after the last block, the model's own probabilities.
+    # The plot's lines keep their names from image to image: Gradio's line plot draws no
+    # line whose name was not in its first picture.
+    assert tuple(view.lens["line"].unique()) == explorer_module.LENS_LINES
     last = view.lens[view.lens["after block"] == len(model.blocks) - 1]
     predicted = f"class {explorer.class_names[e.predicted]}"
     top = float(last[last["class"] == predicted]["probability %"].iloc[0])

@@ -130,6 +130,9 @@ element.querySelector('button').addEventListener('click', () => {{
 CACHE_MAX_AGE_S = 3600
 LAUNCH_TRIES = 3
 PREDICTED = -1  # the explanation dropdown's value for "the predicted class"
+# The logit lens's two lines, the same names for every image: Gradio's line plot keeps the
+# colours' domain of its first picture and draws no line whose name is not in it.
+LENS_LINES = ("predicted", "compared")
 DRAWING = "drawing"  # the source of an image drawn on the page
 # The columns of eval.py's head_importance.csv (analysis=heads) that the head table shows,
 # in this order; and those of its roles.csv (analysis=roles).
@@ -577,8 +580,8 @@ class Explorer:
         )
 
     def _lens(self, e: ImageExplanation, a: int, b: int) -> Any:
-        """The logit lens of classes ``a`` and ``b``: a table of block, probability (%)
-        and class, for Gradio's line plot."""
+        """The logit lens of classes ``a`` (predicted) and ``b`` (compared): a table of
+        block, probability (%), class and line (``LENS_LINES``), for Gradio's line plot."""
         import pandas as pd
 
         blocks = list(range(len(e.lens)))
@@ -586,8 +589,8 @@ class Explorer:
             {
                 "after block": blocks * 2,
                 "probability %": [100 * float(p) for c in (a, b) for p in e.lens[:, c]],
-                # Named, not bare digits, which the plot would read as numbers.
                 "class": [f"class {self.class_names[c]}" for c in (a, b) for _ in blocks],
+                "line": [name for name in LENS_LINES for _ in blocks],
             }
         )
 
@@ -958,13 +961,15 @@ def build_page(explorer: Explorer):
                 )
             with gr.Column(scale=1):
                 gr.Markdown(
-                    "**Logit lens**: the two classes' probability read from the CLS token "
-                    "after each block (nostalgebraist 2020)"
+                    "**Logit lens**: the probability of the predicted class and of the class "
+                    "it is compared with (the one chosen above, else the runner-up), read "
+                    "from the CLS token after each block (nostalgebraist 2020)"
                 )
                 lens = gr.LinePlot(
                     x="after block",
                     y="probability %",
-                    color="class",
+                    color="line",
+                    color_title="class",
                     y_lim=[0, 100],
                     show_label=False,
                     elem_id="lens",
