@@ -86,45 +86,15 @@ SCALE_NOTE = (
 CANVAS_SIDE = 280  # px
 INK_WIDTH = 22  # px
 SKETCH_HTML = (
-    f'<canvas width="{CANVAS_SIDE}" height="{CANVAS_SIDE}" role="img" aria-label="a canvas: '
-    'draw one digit with the mouse, a pen or a finger"></canvas>'
+    f'<canvas width="{CANVAS_SIDE}" height="{CANVAS_SIDE}" data-ink="{INK_WIDTH}" role="img" '
+    'aria-label="a canvas: draw one digit with the mouse, a pen or a finger"></canvas>'
     '<button type="button">Clear canvas</button>'
 )
 SKETCH_CSS = (
     "canvas { display: block; background: white; border: 1px solid #bbb; "
     "touch-action: none; cursor: crosshair; } button { margin-top: 6px; padding: 2px 10px; }"
 )
-SKETCH_JS = f"""
-const canvas = element.querySelector('canvas');
-const ink = canvas.getContext('2d');
-Object.assign(ink, {{lineWidth: {INK_WIDTH}, lineCap: 'round', lineJoin: 'round',
-                    strokeStyle: '#000'}});
-let drawing = false;
-const at = (e) => {{
-  const box = canvas.getBoundingClientRect();
-  return [(e.clientX - box.left) * canvas.width / box.width,
-          (e.clientY - box.top) * canvas.height / box.height];
-}};
-canvas.addEventListener('pointerdown', (e) => {{
-  drawing = true;
-  canvas.setPointerCapture(e.pointerId);
-  ink.beginPath(); ink.moveTo(...at(e)); ink.lineTo(...at(e)); ink.stroke();
-}});
-canvas.addEventListener('pointermove', (e) => {{
-  if (drawing) {{ ink.lineTo(...at(e)); ink.stroke(); }}
-}});
-const release = () => {{
-  if (!drawing) return;
-  drawing = false;
-  trigger('input', {{png: canvas.toDataURL('image/png')}});
-}};
-canvas.addEventListener('pointerup', release);
-canvas.addEventListener('pointercancel', release);
-element.querySelector('button').addEventListener('click', () => {{
-  ink.clearRect(0, 0, canvas.width, canvas.height);
-  trigger('input', {{png: null}});
-}});
-"""
+SKETCH_JS = Path(__file__).with_name("sketch.js").read_text()
 # Uploads, drawings and the pictures sent to the browser live in Gradio's cache folder;
 # Gradio deletes those older than this every as many seconds, and all when the page closes.
 CACHE_MAX_AGE_S = 3600
