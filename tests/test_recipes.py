@@ -173,15 +173,29 @@ def test_best_recipes_stay_under_two_million_parameters(tmp_path, name):
         assert cfg.trainer.check_val_every_n_epoch == 1 < cfg.trainer.max_epochs
 
 
-def test_the_distilled_recipe_is_mnist_cpu_best_with_a_distillation_token(tmp_path):
-    best = compose_config("train", ["experiment=mnist_cpu_best"], tmp_path)
+def test_the_distilled_recipe_is_the_speedrun_model_with_a_distillation_token(tmp_path):
+    speedrun = compose_config("train", ["experiment=speedrun"], tmp_path)
     distilled = compose_config("train", ["experiment=mnist_cpu_distilled"], tmp_path)
-    assert distilled.model.distillation and not best.model.distillation
+    assert distilled.model.distillation and not speedrun.model.distillation
     assert distilled.task_name == "mnist_cpu_distilled"
-    assert distilled.trainer.max_epochs < best.trainer.max_epochs  # the teacher's cost
-    distilled.trainer.max_epochs = best.trainer.max_epochs
-    for key in ("data", "module", "trainer", "speed"):
-        assert distilled[key] == best[key], key
+    distilled.model.distillation = False
+    assert distilled.model == speedrun.model
+
+
+@pytest.mark.parametrize("gpu, cpu", [("mnist_best", "mnist_cpu_best"), ("fashion_best", None)])
+def test_a_gpu_recipe_is_its_cpu_recipe_scaled_up(tmp_path, gpu, cpu):
+    """A bigger model whose recipe trails a smaller one's is a recipe defect: each GPU recipe
+    is a CPU recipe with the hybrid stem, at least as wide, deep and long, on the same data
+    and augmentation."""
+    big = compose_config("train", [f"experiment={gpu}"], tmp_path)
+    small = compose_config("train", [f"experiment={cpu or 'fashion_cpu_best'}"], tmp_path)
+    assert big.model.stem == "conv" and big.trainer.accelerator == "auto"
+    for key in ("embed_dim", "depth"):
+        assert big.model[key] >= small.model[key], key
+    assert big.trainer.max_epochs >= small.trainer.max_epochs
+    assert big.data == small.data
+    keep = ("weight_decay", "warmup_epochs", "min_lr_ratio", "label_smoothing", "test_time_shift")
+    assert all(big.module[k] == small.module[k] for k in keep)
 
 
 def test_heads_sweep_is_a_multirun_over_heads_and_seeds():
