@@ -86,13 +86,15 @@ SCALE_NOTE = (
 CANVAS_SIDE = 280  # px
 INK_WIDTH = 22  # px
 SKETCH_HTML = (
+    "<p>draw one digit, about as tall as the box</p>"
     f'<canvas width="{CANVAS_SIDE}" height="{CANVAS_SIDE}" data-ink="{INK_WIDTH}" role="img" '
     'aria-label="a canvas: draw one digit with the mouse, a pen or a finger"></canvas>'
     '<button type="button">Clear canvas</button>'
 )
 SKETCH_CSS = (
     "canvas { display: block; background: white; border: 1px solid #bbb; "
-    "touch-action: none; cursor: crosshair; } button { margin-top: 6px; padding: 2px 10px; }"
+    "touch-action: none; cursor: crosshair; } button { margin-top: 6px; padding: 2px 10px; } "
+    "p { margin: 0 0 4px; color: #555; }"
 )
 SKETCH_JS = Path(__file__).with_name("sketch.js").read_text()
 # Uploads, drawings and the pictures sent to the browser live in Gradio's cache folder;
