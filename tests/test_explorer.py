@@ -212,6 +212,7 @@ def test_inputs_are_read_as_predict_reads_them(explorer, tmp_path):
         as_sent(Image.new("RGBA", (side + 1, side))),
         as_sent(drawing.convert("RGB"), "JPEG"),
         "data:image/png;base64,@@@",
+        "data:image/png;base64," + "A" * (8 * side * side + 4),  # too long to decode
         "http://example.com/7.png",
         7,
     ):

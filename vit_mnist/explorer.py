@@ -327,7 +327,8 @@ class Explorer:
             return None
         head, _, data = png.partition(",") if isinstance(png, str) else ("", "", "")
         try:
-            if head != "data:image/png;base64":
+            # Twice the canvas's raw RGBA bytes, in base64 characters: its PNG is far shorter.
+            if head != "data:image/png;base64" or len(data) > 2 * 4 * CANVAS_SIDE**2:
                 raise ValueError
             with Image.open(io.BytesIO(base64.b64decode(data, validate=True))) as image:
                 if image.format != "PNG" or image.size != (CANVAS_SIDE, CANVAS_SIDE):
@@ -1096,7 +1097,7 @@ def build_page(explorer: Explorer):
         drawn.__annotations__ = {"evt": gr.EventData}
         click.__annotations__ = {"evt": gr.SelectData}
         # Files only as uploads: Gradio fetches a URL that an API request names as the
-        # file of an input; these components refuse it before anything is fetched.
+        # file of an input; the upload refuses it before anything is fetched.
         upload.async_move_resource_to_block_cache = _uploads_only(
             gr, upload.async_move_resource_to_block_cache
         )
