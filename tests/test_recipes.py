@@ -182,13 +182,15 @@ def test_the_distilled_recipe_is_the_speedrun_model_with_a_distillation_token(tm
     assert distilled.model == speedrun.model
 
 
-@pytest.mark.parametrize("gpu, cpu", [("mnist_best", "mnist_cpu_best"), ("fashion_best", None)])
+@pytest.mark.parametrize(
+    "gpu, cpu", [("mnist_best", "mnist_cpu_best"), ("fashion_best", "fashion_cpu_best")]
+)
 def test_a_gpu_recipe_is_its_cpu_recipe_scaled_up(tmp_path, gpu, cpu):
     """A bigger model whose recipe trails a smaller one's is a recipe defect: each GPU recipe
     is a CPU recipe with the hybrid stem, at least as wide, deep and long, on the same data
     and augmentation."""
     big = compose_config("train", [f"experiment={gpu}"], tmp_path)
-    small = compose_config("train", [f"experiment={cpu or 'fashion_cpu_best'}"], tmp_path)
+    small = compose_config("train", [f"experiment={cpu}"], tmp_path)
     assert big.model.stem == "conv" and big.trainer.accelerator == "auto"
     for key in ("embed_dim", "depth"):
         assert big.model[key] >= small.model[key], key

@@ -96,7 +96,6 @@ SKETCH_CSS = (
     "touch-action: none; cursor: crosshair; } button { margin-top: 6px; padding: 2px 10px; } "
     "p { margin: 0 0 4px; color: #555; }"
 )
-SKETCH_JS = Path(__file__).with_name("sketch.js").read_text()
 # Uploads, drawings and the pictures sent to the browser live in Gradio's cache folder;
 # Gradio deletes those older than this every as many seconds, and all when the page closes.
 CACHE_MAX_AGE_S = 3600
@@ -325,7 +324,7 @@ class Explorer:
         """
         if not png:
             return None
-        head, _, data = png.partition(",") if isinstance(png, str) else ("", "", "")
+        head, _, data = str(png).partition(",")
         try:
             # Twice the canvas's raw RGBA bytes, in base64 characters: its PNG is far shorter.
             if head != "data:image/png;base64" or len(data) > 2 * 4 * CANVAS_SIDE**2:
@@ -788,7 +787,7 @@ def build_page(explorer: Explorer):
                         sketch = gr.HTML(
                             html_template=SKETCH_HTML,
                             css_template=SKETCH_CSS,
-                            js_on_load=SKETCH_JS,
+                            js_on_load=Path(__file__).with_name("sketch.js").read_text(),
                             elem_id="sketch",
                         )
                     with gr.Tab("Upload"):
