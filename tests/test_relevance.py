@@ -193,8 +193,13 @@ def test_gradient_head_importance():
         model.blocks[0].attn.proj.weight[:, 1 * d : 2 * d] = 0
     zeroed = gradient_head_importance(model, batches)
     assert zeroed[0, 1] == 0 and (zeroed[0, [0, 2, 3]] > 0).all()
+    # The model's mode is restored, also when the call is refused.
+    model.train()
     with pytest.raises(ValueError, match="no images"):
         gradient_head_importance(model, [])
+    with pytest.raises(ValueError, match="mask of shape"):
+        gradient_head_importance(model, batches, mask=torch.ones(3, 4))
+    assert model.training
 
 
 # ------------------------------------------------------------------------- faithfulness

@@ -17,6 +17,7 @@ from functools import lru_cache
 import torch
 from einops import rearrange
 
+from vit_mnist.analysis.modes import evaluating
 from vit_mnist.analysis.relevance import class_relevance
 from vit_mnist.drawing import colorize, labelled_grid, overlay
 from vit_mnist.models.vit import VisionTransformer
@@ -132,14 +133,12 @@ def head_statistics(
         Two (depth, heads) float32 tensors; ``heads`` is the largest head count of a block
         (a block with fewer heads, as in a pruned model, has zeros in the columns it lacks).
     """
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     grid, patch = model.patch_embed.grid_size, model.patch_embed.patch_size
     heads = max(block.attn.num_heads for block in model.blocks)
     entropy = torch.zeros(model.depth, heads)
     distance = torch.zeros(model.depth, heads)
-    try:
+    with evaluating(model):
         for start in range(0, len(images), batch_size):
             chunk = images[start : start + batch_size].to(device)
             _, weights = model.forward_with_attention(chunk)
@@ -150,8 +149,6 @@ def head_statistics(
                 distance[layer, :h] += (
                     share * mean_attention_distance(w, grid_size=grid, patch_size=patch).cpu()
                 )
-    finally:
-        model.train(was_training)
     return entropy, distance
 
 
@@ -225,13 +222,9 @@ def attention_report(
             "attention_report(relevance=True) needs gradients; call it outside "
             "torch.inference_mode, or pass relevance=False"
         )
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         device = next(model.parameters()).device
         logits, weights = model.forward_with_attention(images.to(device))
-    finally:
-        model.train(was_training)
     weights = [w.float().cpu() for w in weights]
     preds = logits.argmax(dim=-1).cpu().tolist()
     grid_size, patch_size = model.patch_embed.grid_size, model.patch_embed.patch_size

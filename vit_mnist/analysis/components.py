@@ -25,6 +25,7 @@ from typing import TypeVar
 import torch
 from einops import rearrange
 
+from vit_mnist.analysis.modes import evaluating
 from vit_mnist.models.vit import EncoderBlock, VisionTransformer
 
 
@@ -169,16 +170,12 @@ def read_components(
     any device), ``batch_size`` images at a time (memory, not results): the model in eval
     mode, in float32 with autocast off, on its parameters' device; its mode restored."""
     parameter = next(model.parameters())
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         with torch.autocast(parameter.device.type, enabled=False):
             return [
                 read(run_components(model, images[i : i + batch_size].to(parameter)))
                 for i in range(0, len(images), batch_size)
             ]
-    finally:
-        model.train(was_training)
 
 
 def resume(

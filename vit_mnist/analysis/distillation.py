@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vit_mnist.analysis.modes import evaluating
 from vit_mnist.models.vit import VisionTransformer
 
 
@@ -31,10 +32,8 @@ def cls_dist_similarity(
     """
     if model.dist_token is None:
         raise ValueError("the model has no distillation token (model.distillation=false)")
-    was_training = model.training
-    model.eval()
     sums = torch.zeros(model.depth + 1, dtype=torch.float64)
-    try:
+    with evaluating(model):
         for start in range(0, len(images), batch_size):
             x = model.embed(images[start : start + batch_size])
             rows = [x]
@@ -43,6 +42,4 @@ def cls_dist_similarity(
                 rows.append(x)
             for i, tokens in enumerate(rows):
                 sums[i] += F.cosine_similarity(tokens[:, 0], tokens[:, 1], dim=-1).double().sum()
-    finally:
-        model.train(was_training)
     return (sums / len(images)).tolist()

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from vit_mnist.analysis.attention import attention_rollout, cls_attention
+from vit_mnist.analysis.modes import evaluating
 from vit_mnist.analysis.relevance import class_relevance
 from vit_mnist.models.vit import VisionTransformer
 
@@ -52,17 +53,13 @@ def explanation_maps(
     """
     grid = model.patch_embed.grid_size
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     attention, rollout = [], []
-    try:
+    with evaluating(model):
         for start in range(0, len(images), batch_size):
             _, weights = model.forward_with_attention(images[start : start + batch_size].to(device))
             weights = [w.float() for w in weights]
             attention.append(cls_attention(weights[-1].mean(dim=1), grid).cpu())
             rollout.append(cls_attention(attention_rollout(weights), grid).cpu())
-    finally:
-        model.train(was_training)
     relevance, _ = class_relevance(model, images, batch_size=batch_size)
     generator = torch.Generator().manual_seed(seed)
     return {
@@ -184,8 +181,6 @@ def perturbation_test(
     device = parameter.device if parameter is not None else images.device
     dtype = parameter.dtype if parameter is not None else torch.float32
     labels = labels.to(device)
-    was_training = model.training
-    model.eval()
 
     def accuracy(order: torch.Tensor, count: int) -> float:
         correct = 0
@@ -198,7 +193,7 @@ def perturbation_test(
 
     result = PerturbationResult(fractions=torch.arange(p + 1, dtype=torch.float32) / p)
     result.num_images = n
-    try:
+    with evaluating(model):
         with torch.autocast(device.type, enabled=False):
             identity = torch.arange(p).expand(n, p)
             first, last = accuracy(identity, 0), accuracy(identity, p)
@@ -211,8 +206,6 @@ def perturbation_test(
                     )
                     curve = [first] + [accuracy(order, k) for k in range(1, p)] + [last]
                     result.accuracy[name][direction] = torch.tensor(curve, dtype=torch.float32)
-    finally:
-        model.train(was_training)
     return result
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from vit_mnist.analysis.modes import evaluating
 from vit_mnist.analysis.per_class import accuracy_and_loss, predict
 from vit_mnist.models.vit import VisionTransformer
 
@@ -121,11 +122,10 @@ def gradient_head_importance(
         )
     home, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     device = torch.device(device) if device is not None else home
-    was_training = model.training
-    model.eval().to(device)
     shape = (model.depth, max(block.attn.num_heads for block in model.blocks))
     if mask is not None and tuple(mask.shape) != shape:
         raise ValueError(f"mask of shape {tuple(mask.shape)}; this model needs {shape}")
+    model.to(device)
     gate = torch.ones(shape) if mask is None else mask.detach().clone()
     gate = gate.to(device, dtype).requires_grad_(True)
     handles = []
@@ -140,7 +140,7 @@ def gradient_head_importance(
     total = torch.zeros(shape, dtype=torch.float64, device=device)
     count = 0
     try:
-        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        with evaluating(model), torch.enable_grad(), torch.autocast(device.type, enabled=False):
             for images, labels in batches:
                 x = images.to(device, dtype)
                 y = labels.to(device)
@@ -151,7 +151,7 @@ def gradient_head_importance(
     finally:
         for handle in handles:
             handle.remove()
-        model.train(was_training).to(home)
+        model.to(home)
     if count == 0:
         raise ValueError("gradient_head_importance got no images: the batches are empty")
     return (total / count).float().cpu()

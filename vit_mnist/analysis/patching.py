@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vit_mnist.analysis.components import Components, resume, run_components
+from vit_mnist.analysis.modes import evaluating
 from vit_mnist.models.vit import VisionTransformer
 
 DIRECTIONS = ("denoising", "noising")
@@ -205,9 +206,7 @@ def activation_patching(
         raise ValueError(f"unknown {unknown}: directions are {DIRECTIONS}, kinds {KINDS}")
     parameter = next(model.parameters())
     device = parameter.device
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         with torch.autocast(device.type, enabled=False):
             runs = [
                 run_components(model, x.to(device, parameter.dtype)) for x in (clean, corrupted)
@@ -224,8 +223,6 @@ def activation_patching(
             for direction in directions:
                 base, source = runs[::-1] if direction == "denoising" else runs
                 result.patched[direction] = _patch_all(model, base, source, a, b, kinds, chunk)
-    finally:
-        model.train(was_training)
     return result
 
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from einops import rearrange
 
+from vit_mnist.analysis.modes import evaluating
 from vit_mnist.models.vit import VisionTransformer
 
 
@@ -106,10 +107,8 @@ def class_relevance(
     grid = model.patch_embed.grid_size
     parameter = next(model.parameters())
     device, dtype = parameter.device, parameter.dtype
-    was_training = model.training
-    model.eval()
     maps, classes = [], []
-    try:
+    with evaluating(model):
         with torch.enable_grad(), torch.autocast(device.type, enabled=False):
             for start in range(0, n, batch_size):
                 x = images[start : start + batch_size].to(device, dtype)
@@ -125,8 +124,6 @@ def class_relevance(
                 grads = torch.autograd.grad(score, weights)
                 maps.append(relevance_rule(weights, grads, grid).cpu())
                 classes.append(c.cpu())
-    finally:
-        model.train(was_training)
     return torch.cat(maps).float(), torch.cat(classes).to(torch.int64)
 
 

@@ -32,6 +32,7 @@ from skimage.feature import corner_harris, corner_peaks
 from skimage.morphology import skeletonize
 
 from vit_mnist.analysis.attention import attention_entropy, mean_attention_distance
+from vit_mnist.analysis.modes import evaluating
 from vit_mnist.models.vit import VisionTransformer
 
 INK_THRESHOLD = 0.5  # of the [0, 1] pixel scale: MNIST's strokes are near 1, paper near 0
@@ -200,10 +201,8 @@ def head_roles(
     }
     heads = [block.attn.num_heads for block in model.blocks]
     sums = torch.zeros(model.depth, max(heads), len(ROLE_COLUMNS), dtype=torch.float64)
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
-    try:
+    with evaluating(model):
         for start in range(0, len(images), batch_size):
             chunk = slice(start, start + batch_size)
             _, weights = model.forward_with_attention(images[chunk].to(device))
@@ -226,8 +225,6 @@ def head_roles(
                 figures["entropy_nats"] = n * attention_entropy(w)
                 for i, key in enumerate(ROLE_COLUMNS):
                     sums[layer, : w.shape[1], i] += figures[key].double()
-    finally:
-        model.train(was_training)
     means = sums / len(images)
     return [
         {
