@@ -989,15 +989,18 @@ def build_page(explorer: Explorer):
             e = explorer.explain(current["x"], chosen["heads_off"], chosen["target"])
             return {**current, "key": key, "explanation": e}
 
+        def viewed(current: dict, values: Sequence[Any]) -> tuple[dict, View]:
+            """The session's state and its :class:`View` for the controls' values."""
+            chosen = choices(values)
+            current = explained(current, chosen)
+            x, e, source = current["x"], current["explanation"], current["source"]
+            return current, explorer.view(x, explanation=e, source=source, **chosen)
+
         def show(current, *values) -> list[Any]:
             """[state, *panels] for the session's image and the controls' values."""
             if current is None:
                 return [gr.skip()] * (1 + len(panels))
-            chosen = choices(values)
-            current = explained(current, chosen)
-            v = explorer.view(
-                current["x"], explanation=current["explanation"], source=current["source"], **chosen
-            )
+            current, v = viewed(current, values)
             return [current, *(getattr(v, name) for name in panels)]
 
         def requery(current, *values) -> list[Any]:
@@ -1081,11 +1084,7 @@ def build_page(explorer: Explorer):
         def save_view(current, *values):
             if current is None:
                 return "nothing to save yet"
-            chosen = choices(values)
-            current = explained(current, chosen)
-            v = explorer.view(
-                current["x"], explanation=current["explanation"], source=current["source"], **chosen
-            )
+            current, v = viewed(current, values)
             try:
                 path = explorer.save(v, current["x"])
             except WriteError as e:
