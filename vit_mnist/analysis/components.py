@@ -170,12 +170,11 @@ def read_components(
     any device), ``batch_size`` images at a time (memory, not results): the model in eval
     mode, in float32 with autocast off, on its parameters' device; its mode restored."""
     parameter = next(model.parameters())
-    with evaluating(model):
-        with torch.autocast(parameter.device.type, enabled=False):
-            return [
-                read(run_components(model, images[i : i + batch_size].to(parameter)))
-                for i in range(0, len(images), batch_size)
-            ]
+    with evaluating(model), torch.autocast(parameter.device.type, enabled=False):
+        return [
+            read(run_components(model, images[i : i + batch_size].to(parameter)))
+            for i in range(0, len(images), batch_size)
+        ]
 
 
 def resume(

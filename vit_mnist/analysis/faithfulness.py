@@ -193,19 +193,16 @@ def perturbation_test(
 
     result = PerturbationResult(fractions=torch.arange(p + 1, dtype=torch.float32) / p)
     result.num_images = n
-    with evaluating(model):
-        with torch.autocast(device.type, enabled=False):
-            identity = torch.arange(p).expand(n, p)
-            first, last = accuracy(identity, 0), accuracy(identity, p)
-            for name, s in scores.items():
-                flat = s.flatten(1).float()
-                result.accuracy[name] = {}
-                for direction in DIRECTIONS:
-                    order = torch.argsort(
-                        flat, dim=1, descending=direction == "positive", stable=True
-                    )
-                    curve = [first] + [accuracy(order, k) for k in range(1, p)] + [last]
-                    result.accuracy[name][direction] = torch.tensor(curve, dtype=torch.float32)
+    with evaluating(model), torch.autocast(device.type, enabled=False):
+        identity = torch.arange(p).expand(n, p)
+        first, last = accuracy(identity, 0), accuracy(identity, p)
+        for name, s in scores.items():
+            flat = s.flatten(1).float()
+            result.accuracy[name] = {}
+            for direction in DIRECTIONS:
+                order = torch.argsort(flat, dim=1, descending=direction == "positive", stable=True)
+                curve = [first] + [accuracy(order, k) for k in range(1, p)] + [last]
+                result.accuracy[name][direction] = torch.tensor(curve, dtype=torch.float32)
     return result
 
 

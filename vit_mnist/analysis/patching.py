@@ -206,23 +206,20 @@ def activation_patching(
         raise ValueError(f"unknown {unknown}: directions are {DIRECTIONS}, kinds {KINDS}")
     parameter = next(model.parameters())
     device = parameter.device
-    with evaluating(model):
-        with torch.autocast(device.type, enabled=False):
-            runs = [
-                run_components(model, x.to(device, parameter.dtype)) for x in (clean, corrupted)
-            ]
+    with evaluating(model), torch.autocast(device.type, enabled=False):
+        runs = [run_components(model, x.to(device, parameter.dtype)) for x in (clean, corrupted)]
 
-            def classes(given, c: Components) -> torch.Tensor:
-                if given is None:
-                    return c.logits.argmax(1)
-                return torch.as_tensor(given, device=device).expand(len(clean)).long()
+        def classes(given, c: Components) -> torch.Tensor:
+            if given is None:
+                return c.logits.argmax(1)
+            return torch.as_tensor(given, device=device).expand(len(clean)).long()
 
-            a, b = classes(clean_class, runs[0]), classes(corrupted_class, runs[1])
-            lds = [_logit_difference(c.logits, a, b).float().cpu() for c in runs]
-            result = PatchingResult(lds[0], lds[1], tokens=runs[0].embed.shape[1])
-            for direction in directions:
-                base, source = runs[::-1] if direction == "denoising" else runs
-                result.patched[direction] = _patch_all(model, base, source, a, b, kinds, chunk)
+        a, b = classes(clean_class, runs[0]), classes(corrupted_class, runs[1])
+        lds = [_logit_difference(c.logits, a, b).float().cpu() for c in runs]
+        result = PatchingResult(lds[0], lds[1], tokens=runs[0].embed.shape[1])
+        for direction in directions:
+            base, source = runs[::-1] if direction == "denoising" else runs
+            result.patched[direction] = _patch_all(model, base, source, a, b, kinds, chunk)
     return result
 
 

@@ -108,22 +108,21 @@ def class_relevance(
     parameter = next(model.parameters())
     device, dtype = parameter.device, parameter.dtype
     maps, classes = [], []
-    with evaluating(model):
-        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
-            for start in range(0, n, batch_size):
-                x = images[start : start + batch_size].to(device, dtype)
-                # The input requires grad so that the graph exists even when the caller
-                # has frozen the parameters; only the weights' gradients are computed.
-                x.requires_grad_(True)
-                logits, weights = model.forward_with_attention(x)
-                if targets is None:
-                    c = logits.argmax(dim=1)
-                else:
-                    c = targets[start : start + batch_size].to(device)
-                score = logits.gather(1, c[:, None]).sum()  # sum_b y_{b, c_b}
-                grads = torch.autograd.grad(score, weights)
-                maps.append(relevance_rule(weights, grads, grid).cpu())
-                classes.append(c.cpu())
+    with evaluating(model), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        for start in range(0, n, batch_size):
+            x = images[start : start + batch_size].to(device, dtype)
+            # The input requires grad so that the graph exists even when the caller
+            # has frozen the parameters; only the weights' gradients are computed.
+            x.requires_grad_(True)
+            logits, weights = model.forward_with_attention(x)
+            if targets is None:
+                c = logits.argmax(dim=1)
+            else:
+                c = targets[start : start + batch_size].to(device)
+            score = logits.gather(1, c[:, None]).sum()  # sum_b y_{b, c_b}
+            grads = torch.autograd.grad(score, weights)
+            maps.append(relevance_rule(weights, grads, grid).cpu())
+            classes.append(c.cpu())
     return torch.cat(maps).float(), torch.cat(classes).to(torch.int64)
 
 
