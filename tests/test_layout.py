@@ -11,58 +11,79 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# From the entry points down; a module may import from its own layer or the ones below.
-LAYERS: list[tuple[str, list[str]]] = [
-    ("entry points", ["vit_mnist.cli"]),
-    ("Hydra's errors in one line", ["vit_mnist.hydra_errors"]),
-    (
-        "tasks",
-        [
-            "vit_mnist.train",
-            "vit_mnist.evaluate",
-            "vit_mnist.predict",
-            "vit_mnist.export",
-            "vit_mnist.results",
-            "vit_mnist.tensorboard_server",
-            "vit_mnist.explorer",
-        ],
-    ),
-    (
-        "parts",
-        [
-            "vit_mnist.module",
-            "vit_mnist.schedule",
-            "vit_mnist.distillation",
-            "vit_mnist.callbacks",
-            "vit_mnist.analysis",
-            "vit_mnist.checkpointing",
-            "vit_mnist.speed.choose",
-            "vit_mnist.speed.forward",
-            "vit_mnist.speed.native",
-        ],
-    ),
-    ("models and data", ["vit_mnist.models", "vit_mnist.data"]),
-    ("the settings schema", ["vit_mnist.settings"]),
-    ("errors", ["vit_mnist.errors"]),
-    ("pictures", ["vit_mnist.drawing"]),
-    ("console", ["vit_mnist.console"]),
-    ("hardware", ["vit_mnist.hardware"]),
-    ("the speed layer's cache", ["vit_mnist.speed"]),
-    ("files", ["vit_mnist.io"]),
-    ("the package", ["vit_mnist"]),
+# Every module of the package in its own layer, from the entry points down: a module may
+# import only modules listed below it. The comments name the rooms.
+LAYERS: list[str] = [
+    # the entry points and Hydra's errors in one line
+    "vit_mnist.cli",
+    "vit_mnist.hydra_errors",
+    # the tasks
+    "vit_mnist.explorer",
+    "vit_mnist.predict",
+    "vit_mnist.evaluate",
+    "vit_mnist.train",
+    "vit_mnist.export",
+    "vit_mnist.results",
+    "vit_mnist.tensorboard_server",
+    # the training run's parts
+    "vit_mnist.callbacks",
+    "vit_mnist.callbacks.save_on_interrupt",
+    "vit_mnist.callbacks.attention_maps",
+    "vit_mnist.callbacks.throughput",
+    "vit_mnist.checkpointing",
+    "vit_mnist.module",
+    "vit_mnist.schedule",
+    "vit_mnist.distillation",
+    # the speed layer, which wraps the reference model
+    "vit_mnist.speed.choose",
+    "vit_mnist.speed.native",
+    "vit_mnist.speed.forward",
+    # the analyses
+    "vit_mnist.analysis",
+    "vit_mnist.analysis.pruning",
+    "vit_mnist.analysis.heads",
+    "vit_mnist.analysis.per_class",
+    "vit_mnist.analysis.explain",
+    "vit_mnist.analysis.faithfulness",
+    "vit_mnist.analysis.roles",
+    "vit_mnist.analysis.attention",
+    "vit_mnist.analysis.patching",
+    "vit_mnist.analysis.logit_lens",
+    "vit_mnist.analysis.logit_attribution",
+    "vit_mnist.analysis.components",
+    "vit_mnist.analysis.relevance",
+    "vit_mnist.analysis.distillation",
+    "vit_mnist.analysis.modes",
+    # the textbook model and the data
+    "vit_mnist.models",
+    "vit_mnist.models.vit",
+    "vit_mnist.models.stem",
+    "vit_mnist.models.checks",
+    "vit_mnist.models.cnn",
+    "vit_mnist.models.attention",
+    "vit_mnist.data",
+    "vit_mnist.data.mnist",
+    "vit_mnist.data.synthetic",
+    "vit_mnist.data.base",
+    "vit_mnist.data.augment",
+    "vit_mnist.data.sources",
+    # what every room may use
+    "vit_mnist.settings",
+    "vit_mnist.errors",
+    "vit_mnist.drawing",
+    "vit_mnist.console",
+    "vit_mnist.hardware",
+    "vit_mnist.speed",
+    "vit_mnist.io",
+    "vit_mnist",
 ]
 
 
 def layer_of(module: str) -> int:
-    """Index in LAYERS of the longest prefix that names ``module`` (its package or itself)."""
-    best, depth = None, -1
-    for i, (_, names) in enumerate(LAYERS):
-        for name in names:
-            if (module == name or module.startswith(name + ".")) and name.count(".") > depth:
-                best, depth = i, name.count(".")
-    if best is None:
+    """Index of ``module`` in LAYERS (0 is the top)."""
+    if module not in LAYERS:
         raise AssertionError(f"{module} is in no layer of tests/test_layout.py: add it")
-    return best
+    return LAYERS.index(module)
 
 
 def package_modules() -> dict[str, Path]:
@@ -88,16 +109,21 @@ def imported(path: Path) -> set[str]:
     return {n for n in names if n in modules}
 
 
-def test_imports_run_from_the_entry_points_down():
+def upward_imports() -> list[str]:
+    """The imports of a module listed at or above the importer in LAYERS."""
     upward = []
     for module, path in package_modules().items():
         mine = layer_of(module)
         for target in imported(path):
-            if layer_of(target) < mine:
-                upward.append(
-                    f"{module} ({LAYERS[mine][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
-                )
-    assert not upward, "imports that run upwards:\n" + "\n".join(upward)
+            if target != module and layer_of(target) <= mine:
+                upward.append(f"{module} imports {target}, which is listed above it")
+    return upward
+
+
+def test_imports_run_from_the_entry_points_down():
+    assert not upward_imports(), "imports that run upwards:\n" + "\n".join(upward_imports())
+    stale = sorted(set(LAYERS) - set(package_modules()))
+    assert not stale, f"LAYERS names modules that do not exist: {stale}"
 
 
 def import_circles() -> list[list[str]]:
@@ -141,12 +167,17 @@ def test_the_circle_check_catches_a_circle(monkeypatch, tmp_path):
     assert ["vit_mnist.errors", "vit_mnist.io"] in import_circles()
 
 
-def test_the_layer_check_catches_an_upward_import(tmp_path):
+def test_the_layer_check_catches_an_upward_import(monkeypatch, tmp_path):
     # The check above must be able to fail: a models file importing the trainer would.
     fake = tmp_path / "vit.py"
     fake.write_text("from vit_mnist.train import train\n")
-    assert layer_of("vit_mnist.train") < layer_of("vit_mnist.models.vit")
-    assert "vit_mnist.train" in imported(fake)
+    modules = package_modules()
+    monkeypatch.setattr(
+        "tests.test_layout.package_modules", lambda: {**modules, "vit_mnist.models.vit": fake}
+    )
+    assert upward_imports() == [
+        "vit_mnist.models.vit imports vit_mnist.train, which is listed above it"
+    ]
 
 
 def readme_layout_paths() -> list[str]:
