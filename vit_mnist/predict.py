@@ -34,7 +34,7 @@ from vit_mnist.analysis.relevance import class_relevance
 from vit_mnist.checkpointing import read_checkpoint, resolve_ckpt_path
 from vit_mnist.drawing import grey, labelled_grid, overlay
 from vit_mnist.errors import CheckpointError, ConfigError, exit_on_user_error
-from vit_mnist.io import append_csv_rows, printable_path, save_png, write_csv
+from vit_mnist.io import append_csv_rows, printable_path, save_png
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
 from vit_mnist.settings import PredictSettings, check_settings
@@ -600,14 +600,6 @@ def csv_rows(results: Iterable[Prediction]) -> list[dict[str, str]]:
         ]
         rows.append(dict(zip(CSV_COLUMNS, values, strict=True)))
     return rows
-
-
-def write_predictions_csv(results: Sequence[Prediction], path: str | Path) -> Path:
-    """Write :func:`csv_rows` of ``results`` at once, atomically (no half-written file
-    after a crash). Returns ``path``, as a :class:`Path`."""
-    path = Path(path)
-    write_csv(path, csv_rows(results), CSV_COLUMNS)
-    return path
 
 
 def read_done_rows(path: str | Path) -> dict[str, dict[str, str]]:
