@@ -11,6 +11,8 @@ from tests.conftest import TINY_MODEL, compose_config
 from vit_mnist.analysis import attention_report, class_relevance, heads_switched_off
 from vit_mnist.analysis.logit_attribution import direct_logit_attribution
 from vit_mnist.analysis.roles import head_roles
+from vit_mnist.checkpointing import model_differences
+from vit_mnist.errors import ConfigError
 from vit_mnist.evaluate import evaluate
 from vit_mnist.export import export
 from vit_mnist.models import VisionTransformer
@@ -75,3 +77,30 @@ def test_a_conv_stem_trains_evaluates_and_exports(tmp_path):
         )
     )
     assert exported["max_abs_diff"] < 1e-4 and exported["classes_agree"] == 50
+
+
+def test_stem_channels_without_the_conv_stem_is_refused_not_ignored(tmp_path):
+    overrides = ["data=synthetic", "trainer=cpu", *TINY_MODEL, "model.stem_channels=[16,32]"]
+    with pytest.raises(ConfigError, match=r"^model.stem_channels=\[16, 32\] is used by the conv"):
+        train(compose_config("train", overrides, tmp_path))
+    # The default, null, gives the conv stem its own channels.
+    stem = VisionTransformer(patch_size=4, stem="conv", stem_channels=None).patch_embed
+    assert [m.out_channels for m in stem.convs if isinstance(m, torch.nn.Conv2d)] == [32, 64]
+    # Checkpoints of 2026-11-28 stored stem_channels=[32, 64] beside stem=patch: they build.
+    torch.manual_seed(0)
+    state = VisionTransformer(patch_size=7).state_dict()
+    torch.manual_seed(0)
+    stored = VisionTransformer(patch_size=7, stem="patch", stem_channels=[32, 64]).state_dict()
+    assert stored.keys() == state.keys()
+    assert all(torch.equal(stored[k], state[k]) for k in state)
+
+
+def test_stem_channels_differ_only_where_the_network_uses_them():
+    # Resume and ckpt_path=latest compare the stored model with the config's.
+    old, new = {"stem_channels": [32, 64]}, {"stem_channels": None}
+    patch, conv = {"patch_size": 7, "stem": "patch"}, {"patch_size": 4, "stem": "conv"}
+    assert model_differences(patch | old, patch | new) == []
+    assert model_differences(conv | old, conv | new) == []
+    assert model_differences(conv | {"stem_channels": [32, 64, 128]}, conv) == [
+        "model.stem_channels: [32, 64, 128] (checkpoint) vs [32, 64] (config)"
+    ]

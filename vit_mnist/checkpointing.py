@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vit_mnist.errors import CheckpointError, ConfigError, WriteError
 from vit_mnist.io import atomic_write_bytes
+from vit_mnist.models.stem import CONV_STEM_CHANNELS
 from vit_mnist.module import RUN_INFO_KEY
 from vit_mnist.settings import EvalSettings, check_settings, import_target
 
@@ -64,12 +65,23 @@ def model_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> list[st
     A key that only one side has (an argument added or removed since the checkpoint
     was written) is not a difference: its default applies.
     """
+    stored, wanted = _built(stored), _built(wanted)
     keys = sorted((stored.keys() & wanted.keys()) - _NOT_MODEL_IDENTITY)
     return [
         f"model.{k}: {stored[k]} (checkpoint) vs {wanted[k]} (config)"
         for k in keys
         if stored[k] != wanted[k]
     ]
+
+
+def _built(model: dict[str, Any]) -> dict[str, Any]:
+    """``model`` with ``stem_channels`` as the network is built with it: dropped for the
+    patch embedding (checkpoints of 2026-11-28 store [32, 64] there), the conv stem's
+    default for null."""
+    if model.get("stem", "patch") == "patch":
+        return {k: v for k, v in model.items() if k != "stem_channels"}
+    channels = model.get("stem_channels")
+    return {**model, "stem_channels": list(CONV_STEM_CHANNELS if channels is None else channels)}
 
 
 def resolve_latest(

@@ -191,7 +191,7 @@ class ModelSettings(Section):
     drop_path_rate: float = _rate("model.drop_path_rate")
     distillation: bool = _f()
     stem: Literal["patch", "conv"] = _f("model.stem=conv")
-    stem_channels: list[Annotated[int, Field(ge=1)]] = _f("model.stem_channels=[32,64]")
+    stem_channels: list[Annotated[int, Field(ge=1)]] | None = _f("model.stem_channels=[32,64]")
 
 
 class ModuleSettings(Built):

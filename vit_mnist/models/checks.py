@@ -32,7 +32,7 @@ def check_vit_args(
     drop_path_rate: float,
     distillation: bool,
     stem: str,
-    stem_channels: Sequence[int],
+    stem_channels: Sequence[int] | None,
 ) -> None:
     """Check :class:`VisionTransformer` arguments without building anything: every one, by
     name (the defaults are the constructor's alone).

@@ -12,6 +12,8 @@ analysis stay those of the textbook model.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -55,6 +57,11 @@ class PatchEmbedding(nn.Module):
         return F.linear(patches, self.proj.weight.flatten(1), self.proj.bias)  # x_p E
 
 
+# The 3x3 convolutions' channels when ``model.stem_channels`` is null: 7 x 7 tokens at
+# patch_size 4, each seeing 7 x 7 pixels.
+CONV_STEM_CHANNELS = (32, 64)
+
+
 class ConvStem(nn.Module):
     """3x3 convolutions (BatchNorm, ReLU), stride 2 while the patch size is even, then a
     projection to ``embed_dim`` with kernel = stride = what is left of the patch (1x1 when
@@ -64,7 +71,7 @@ class ConvStem(nn.Module):
 
     Args:
         img_size, patch_size, in_chans, embed_dim: as for the patch embedding.
-        channels: output channels of each 3x3 convolution.
+        channels: output channels of each 3x3 convolution; None: :data:`CONV_STEM_CHANNELS`.
 
     Shapes: (batch, in_chans, img_size, img_size) float -> (batch, num_patches, embed_dim).
     """
@@ -76,7 +83,7 @@ class ConvStem(nn.Module):
         patch_size: int,
         in_chans: int,
         embed_dim: int,
-        channels: tuple[int, ...] | list[int] = (32, 64),
+        channels: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         self.img_size = img_size
@@ -85,7 +92,7 @@ class ConvStem(nn.Module):
         self.num_patches = self.grid_size**2
         layers: list[nn.Module] = []
         left, width, field, jump = patch_size, in_chans, 1, 1  # field, jump: pixels
-        for out in channels:
+        for out in CONV_STEM_CHANNELS if channels is None else channels:
             stride = 2 if left % 2 == 0 else 1
             layers += [
                 nn.Conv2d(width, out, 3, stride=stride, padding=1, bias=False),

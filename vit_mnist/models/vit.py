@@ -15,6 +15,8 @@ teacher's hard labels (vit_mnist/distillation.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torchvision.ops import StochasticDepth
@@ -112,7 +114,7 @@ class VisionTransformer(nn.Module):
             :meth:`forward_head`. False builds the textbook model, parameter for parameter.
         stem: ``"patch"``, the textbook patch embedding, or ``"conv"``, the hybrid's
             convolutional stem (:class:`~vit_mnist.models.stem.ConvStem`, ``stem_channels``
-            wide) onto the same token grid.
+            wide, None for its default) onto the same token grid.
 
     Shapes: images (batch, in_chans, img_size, img_size) float -> logits (batch, num_classes).
     Tokens: the CLS token (and with ``distillation`` the distillation token), then
@@ -142,10 +144,9 @@ class VisionTransformer(nn.Module):
         drop_path_rate: float = 0.0,
         distillation: bool = False,
         stem: str = "patch",
-        stem_channels: tuple[int, ...] | list[int] = (32, 64),
+        stem_channels: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
-        stem_channels = list(stem_channels)  # a tuple, or a config's ListConfig
         check_vit_args(**{k: v for k, v in locals().items() if k not in ("self", "__class__")})
         self.img_size, self.in_chans, self.num_heads, self.depth = (
             img_size,
