@@ -223,3 +223,27 @@ def test_device_line_names_a_class_held_below_the_cpu(monkeypatch):
     assert (
         hardware.describe_device(torch.device("cpu")) == "cpu (CPU, AVX2 on AVX512-BF16, 2 threads)"
     )
+
+
+def test_schedule_epochs_makes_a_short_run_the_start_of_a_longer_one():
+    from types import SimpleNamespace
+
+    from vit_mnist.module import ViTClassifier
+
+    def learning_rates(max_epochs: int, **module) -> list[float]:
+        classifier = ViTClassifier(model={"patch_size": 7, "depth": 1}, lr=1.0, **module)
+        classifier._trainer = SimpleNamespace(  # 10 steps an epoch
+            estimated_stepping_batches=10 * max_epochs, max_epochs=max_epochs
+        )
+        scheduled = classifier.configure_optimizers()
+        optimizer, scheduler = scheduled["optimizer"], scheduled["lr_scheduler"]["scheduler"]
+        rates = []
+        for _ in range(10 * max_epochs):
+            rates.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return rates
+
+    full = learning_rates(8)
+    assert learning_rates(2, schedule_epochs=8) == full[:20]
+    assert learning_rates(2) != full[:20]  # its own cosine, ended after 2 epochs

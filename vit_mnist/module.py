@@ -38,6 +38,11 @@ class ViTClassifier(L.LightningModule):
         betas: AdamW's betas.
         warmup_epochs: epochs (may be fractional) of linear warm-up.
         min_lr_ratio: final learning rate of the cosine decay, as a fraction of ``lr``.
+        schedule_epochs: epochs the warm-up and cosine are laid out over; None: the
+            trainer's ``max_epochs``. With more than ``max_epochs`` the run is the first
+            part of a longer one, learning rate for learning rate: a study's trial that
+            ranks configurations as their full runs do (docs/results.md, "which short run
+            ranks configurations as the full run does").
         label_smoothing: cross-entropy label smoothing in [0, 1).
         test_time_shift: test-time augmentation, in pixels: a positive ``s`` makes the
             test step and ``predict_step`` score the log of the softmax averaged over 9
@@ -69,6 +74,7 @@ class ViTClassifier(L.LightningModule):
         betas: tuple[float, float] | list[float] = (0.9, 0.999),
         warmup_epochs: float = 1.0,
         min_lr_ratio: float = 0.01,
+        schedule_epochs: float | None = None,
         label_smoothing: float = 0.0,
         test_time_shift: int = 0,
         teacher_ckpt: str | None = None,
@@ -219,6 +225,8 @@ class ViTClassifier(L.LightningModule):
         )
         total_steps = max(1, int(self.trainer.estimated_stepping_batches))
         steps_per_epoch = total_steps / max(1, self.trainer.max_epochs or 1)
+        if hp.schedule_epochs is not None:
+            total_steps = max(1, round(hp.schedule_epochs * steps_per_epoch))
         warmup_steps = min(total_steps, max(1, round(hp.warmup_epochs * steps_per_epoch)))
         schedule = dict(warmup_steps=warmup_steps, total_steps=total_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(

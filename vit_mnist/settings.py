@@ -204,6 +204,7 @@ class ModuleSettings(Built):
     )
     warmup_epochs: float = _f("module.warmup_epochs=1", ge=0)
     min_lr_ratio: float = _f("module.min_lr_ratio=0.01", ge=0, le=1)
+    schedule_epochs: float | None = _f("module.schedule_epochs=27", gt=0)
     # 1 would make every target uniform: nothing left to learn.
     label_smoothing: float = _f("module.label_smoothing=0.1", ge=0, lt=1)
     test_time_shift: int = _shift("module.test_time_shift")
