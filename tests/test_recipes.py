@@ -227,6 +227,14 @@ def test_every_study_searches_keys_of_the_recipe_it_tunes_on_validation_only(stu
         assert OmegaConf.select(cfg, key) is not None, key
 
 
+def test_the_fashion_study_trial_is_the_first_quarter_of_the_recipes_full_run():
+    # The proxy docs/results.md found to rank as the full runs do: the full run's schedule.
+    study = compose_with_hydra("train", ["hparams_search=fashion_optuna"])
+    recipe = compose_with_hydra("train", ["experiment=fashion_cpu_best"])
+    assert study.module.schedule_epochs == recipe.trainer.max_epochs
+    assert study.trainer.max_epochs == round(recipe.trainer.max_epochs / 4)
+
+
 # ---------------------------------------------------------------- results
 
 
