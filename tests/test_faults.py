@@ -523,6 +523,12 @@ def test_resume_names_the_settings_it_keeps_from_the_checkpoint(make_train_cfg, 
     )
     with pytest.raises(ConfigError, match="data.batch_size=32 differs from the 64"):
         train(other)
+    # Fewer epochs than it has trained: one line before the restore, not Lightning's traceback.
+    shorter = fake_checkpoint(tmp_path / "s" / "last.ckpt", 1000)
+    saved = torch.load(shorter, weights_only=True)
+    torch.save({**saved, "epoch": 3}, shorter)
+    with pytest.raises(ConfigError, match=r"has trained 3 epochs, more than trainer.max_epochs=2:"):
+        train(make_train_cfg("trainer.max_epochs=2", f"ckpt_path={shorter}"))
 
 
 def test_init_from_applies_a_model_key_its_weights_allow_and_refuses_the_others(

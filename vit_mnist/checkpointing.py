@@ -371,7 +371,8 @@ def resume_checkpoint(cfg: DictConfig) -> Resume:
 
     Raises:
         ConfigError: the checkpoint was trained with another model than ``cfg.model``, or
-            with another ``data.batch_size``.
+            with another ``data.batch_size``, or for more epochs than
+            ``trainer.max_epochs``.
         CheckpointError: see :func:`read_checkpoint`.
     """
     if cfg.get("ckpt_path") is None:
@@ -384,6 +385,14 @@ def resume_checkpoint(cfg: DictConfig) -> Resume:
         raise ConfigError(
             f"ckpt_path={path} was trained with another model: {'; '.join(differences)}. "
             "Resume it with its own model settings, or leave ckpt_path out to start a new run"
+        )
+    # Lightning refuses this after the restore, with a traceback; said here in one line.
+    epochs, max_epochs = int(ckpt.get("epoch", 0)), cfg.trainer.get("max_epochs")
+    if max_epochs is not None and max_epochs != -1 and epochs > max_epochs:
+        raise ConfigError(
+            f"ckpt_path={path} has trained {epochs} epochs, more than trainer.max_epochs="
+            f"{max_epochs}: set trainer.max_epochs above {epochs} to train on, or leave "
+            "ckpt_path out to start a new run"
         )
     return Resume(path, int(ckpt.get("global_step", 0)), _kept_by_resume(cfg, ckpt, path))
 
