@@ -121,7 +121,8 @@ def upward_imports() -> list[str]:
 
 
 def test_imports_run_from_the_entry_points_down():
-    assert not upward_imports(), "imports that run upwards:\n" + "\n".join(upward_imports())
+    upward = upward_imports()
+    assert not upward, "imports that run upwards:\n" + "\n".join(upward)
     stale = sorted(set(LAYERS) - set(package_modules()))
     assert not stale, f"LAYERS names modules that do not exist: {stale}"
 
