@@ -38,17 +38,8 @@ def runs(mask_1d: torch.Tensor) -> list[tuple[int, int]]:
     return [(a, b - 1) for a, b in zip(starts, ends, strict=True)]
 
 
-@pytest.fixture(params=[True, False], ids=["freetype", "bitmap"])
-def font_kind(request, monkeypatch):
-    """Both fonts: Pillow's scalable one, and the magnified bitmap font without FreeType."""
-    if request.param and not drawing._freetype():
-        pytest.skip("Pillow has no FreeType here")
-    monkeypatch.setattr(drawing, "_freetype", lambda: request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("cols", [1, 8, 16])
-def test_labels_readable_at_card_width_and_off_the_tiles(font_kind, cols):
+def test_labels_readable_at_card_width_and_off_the_tiles(cols):
     rows, zoom = 4, 3
     picture = labelled_grid(
         red_tiles(rows, cols),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from matplotlib import colormaps
 from PIL import Image, ImageDraw, ImageFont
+from torchvision.transforms.functional import pil_to_tensor, to_pil_image
 from torchvision.utils import make_grid
 
 
@@ -20,16 +21,26 @@ def _colormap(name: str) -> torch.Tensor:
     return torch.from_numpy(colormaps[name](np.linspace(0, 1, 256))[:, :3]).float()
 
 
+def _lookup(unit: torch.Tensor, cmap: str) -> torch.Tensor:
+    """(N, H, W) in [0, 1] -> (N, 3, H, W) RGB: the nearest of the colour map's 256 colours."""
+    return rearrange(_colormap(cmap)[(unit * 255).round().long().cpu()], "n h w c -> n c h w")
+
+
 def _unit(x: torch.Tensor, low: float | None = None, high: float | None = None) -> torch.Tensor:
     """Scale (N, ...) to [0, 1]: each leading item from its own minimum to its own maximum,
     or, given ``low`` and ``high``, every item from ``low`` to ``high`` (clipped)."""
     flat = x.flatten(1)
     if low is None or high is None:
-        lo, hi = flat.min(dim=1).values, flat.max(dim=1).values
+        lo, hi = flat.min(dim=1, keepdim=True).values, flat.max(dim=1, keepdim=True).values
     else:
-        lo, hi = torch.full((len(flat),), float(low)), torch.full((len(flat),), float(high))
-    scale = (hi - lo).clamp_min(1e-12)
-    return ((flat - lo[:, None]) / scale[:, None]).clamp(0, 1).view_as(x)
+        lo, hi = torch.tensor(float(low)), torch.tensor(float(high))
+    return ((flat - lo) / (hi - lo).clamp_min(1e-12)).clamp(0, 1).view_as(x)
+
+
+def _pixels(tiles: torch.Tensor, zoom: int) -> torch.Tensor:
+    """(N, 3, H, W) float in [0, 1] -> (N, 3, H * zoom, W * zoom) uint8, each pixel a square."""
+    big = F.interpolate(tiles.float(), scale_factor=zoom, mode="nearest")
+    return big.clamp(0, 1).mul(255).round().to(torch.uint8)
 
 
 def colorize(
@@ -41,17 +52,20 @@ def colorize(
 ) -> torch.Tensor:
     """Map (N, H, W) values to (N, 3, H, W) RGB in [0, 1]: each item scaled to its own range,
     or all from ``low`` (the colour map's first colour) to ``high`` (its last) when given."""
-    idx = (_unit(values.float(), low, high) * 255).round().long()
-    return rearrange(_colormap(cmap)[idx.cpu()], "n h w c -> n c h w")
+    return _lookup(_unit(values.float(), low, high), cmap)
 
 
 def diverging(values: torch.Tensor, limit: float, cmap: str = "RdBu_r") -> torch.Tensor:
     """Map (N, H, W) values to (N, 3, H, W) RGB in [0, 1] on one scale shared by all items:
     ``-limit`` and below full blue, 0 white, ``+limit`` and above full red; NaN grey."""
     unit = ((values.float() / max(limit, 1e-12)).clamp(-1, 1) + 1) / 2
-    idx = (unit.nan_to_num(0.5) * 255).round().long().cpu()
-    rgb = rearrange(_colormap(cmap)[idx], "n h w c -> n c h w")
+    rgb = _lookup(unit.nan_to_num(0.5), cmap)
     return torch.where(values.isnan().cpu()[:, None], torch.tensor(0.73), rgb)
+
+
+def grey(images: torch.Tensor) -> torch.Tensor:
+    """(N, 1, H, W) images of any normalisation -> (N, 3, H, W) grey in [0, 1]."""
+    return _unit(images.float().cpu()).expand(-1, 3, -1, -1)
 
 
 def overlay(
@@ -106,99 +120,77 @@ CARD_WIDTH = 320
 CAP_HEIGHT = 10
 
 
-@lru_cache(maxsize=1)
-def _freetype() -> bool:
-    """Whether Pillow can scale its built-in font (FreeType, and Pillow >= 10.1)."""
-    try:
-        ImageFont.load_default(size=10)
-    except (ImportError, OSError, TypeError):
-        return False
-    return True
-
-
-def _bitmap_font() -> ImageFont.ImageFont:
-    # load_default() is the scalable font where FreeType is there (Pillow >= 10.1).
-    load = getattr(ImageFont, "load_default_imagefont", ImageFont.load_default)
-    return load()
-
-
 class _Font:
-    """Text of one size, measured and drawn the same way whatever the font.
+    """Aileron Regular, Pillow's built-in scalable font, at ``size`` px.
 
-    With FreeType: Aileron Regular, Pillow's built-in scalable font (Pillow >= 10.1), at
-    ``size`` px. Without: Pillow's bitmap font (about 6 x 11 px) magnified ``size`` times.
+    ``load_default(size=...)`` needs Pillow >= 10.1 with FreeType, which every Pillow wheel
+    ships; a Pillow built without it raises ImportError here.
     """
 
-    def __init__(self, size: int, freetype: bool) -> None:
-        self.size, self.freetype = size, freetype
-        self.font = ImageFont.load_default(size=size) if freetype else _bitmap_font()
-        self.scale = 1 if freetype else size
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.font = ImageFont.load_default(size=size)
         # One line box for every text, from the top of the tallest glyph to the bottom of
         # the lowest, so that labels side by side share a baseline.
-        _, self._top, right, bottom = self.font.getbbox("Hg(>|")
-        self.line_height = (bottom - self._top) * self.scale
-        # The ink of a capital H (a bitmap font's box is the whole character cell).
-        ink = Image.new("L", (right + 2, bottom + 2))
-        ImageDraw.Draw(ink).text((1, 1), "H", fill=255, font=self.font)
-        _, cap_top, _, cap_bottom = ink.getbbox() or (0, 0, 0, 0)
-        self.cap_height = (cap_bottom - cap_top) * self.scale
-        self.cap_middle = (cap_top - 1 - self._top) * self.scale + self.cap_height // 2
+        _, self.top, _, bottom = self.font.getbbox("Hg(>|")
+        self.line_height = bottom - self.top
+        # FreeType's box of a capital H is the box of its ink (checked for sizes 1 to 300).
+        _, cap_top, _, cap_bottom = self.font.getbbox("H")
+        self.cap_height = cap_bottom - cap_top
+        self.cap_middle = cap_top - self.top + self.cap_height // 2
 
     def width(self, text: str) -> int:
         """Width in px of the ink of ``text``."""
         if not text.strip():
             return 0
         left, _, right, _ = self.font.getbbox(text)
-        return (right - left) * self.scale
+        return right - left
 
     def draw(self, canvas: Image.Image, xy: tuple[int, int], text: str) -> None:
         """Draw ``text`` in black, the top-left corner of its line box at ``xy``."""
-        if not text.strip():
-            return
-        left = self.font.getbbox(text)[0]
-        if self.freetype:
-            origin = (xy[0] - left, xy[1] - self._top)
-            ImageDraw.Draw(canvas).text(origin, text, fill="black", font=self.font)
-            return
-        mask = Image.new("L", (self.width(text) // self.scale, self.line_height // self.scale))
-        ImageDraw.Draw(mask).text((-left, -self._top), text, fill=255, font=self.font)
-        mask = mask.resize((mask.width * self.scale, mask.height * self.scale), Image.NEAREST)
-        canvas.paste((0, 0, 0), xy, mask)
+        origin = (xy[0] - self.font.getbbox(text)[0], xy[1] - self.top)
+        ImageDraw.Draw(canvas).text(origin, text, fill="black", font=self.font)
 
-    def wrap(self, text: str, width: int) -> list[str]:
-        """``text`` broken at spaces into lines at most ``width`` px wide (but a word that is
-        wider than that stays whole)."""
-        lines: list[str] = []
-        for word in text.split():
-            if lines and self.width(f"{lines[-1]} {word}") <= width:
-                lines[-1] = f"{lines[-1]} {word}"
-            else:
-                lines.append(word)
-        return lines
+
+#: How wide a text is set in a font: its ink (_Font.width) or its glyphs' advances.
+_Measure = Callable[[_Font, str], int]
 
 
 @lru_cache(maxsize=64)
-def _font_of_size(size: int, freetype: bool) -> _Font:
-    return _Font(size, freetype)
+def _font_of_size(size: int) -> _Font:
+    return _Font(size)
 
 
 def _font(cap_height: float) -> _Font:
     """The smallest font whose capital letters are at least ``cap_height`` px high."""
-    freetype = _freetype()
-    size = max(1, math.floor(cap_height)) if freetype else 1
-    while _font_of_size(size, freetype).cap_height < cap_height:
+    size = max(1, math.floor(cap_height))
+    while _font_of_size(size).cap_height < cap_height:
         size += 1
-    return _font_of_size(size, freetype)
+    return _font_of_size(size)
 
 
-def _fitting(font: _Font, texts: Iterable[str], width: int) -> _Font:
+def _fitting(
+    font: _Font, texts: Iterable[str], width: int, measure: _Measure = _Font.width
+) -> _Font:
     """``font``, or the largest smaller one in which each of ``texts`` is at most ``width``
     px wide (size 1 if none is)."""
-    widest = max(texts, key=font.width, default="")
+    widest = max(texts, key=lambda text: measure(font, text), default="")
     size = font.size
-    while size > 1 and _font_of_size(size, font.freetype).width(widest) > width:
+    while size > 1 and measure(_font_of_size(size), widest) > width:
         size -= 1
-    return _font_of_size(size, font.freetype)
+    return _font_of_size(size)
+
+
+def _wrap(font: _Font, text: str, width: int, measure: _Measure = _Font.width) -> list[str]:
+    """``text`` broken at spaces into lines at most ``width`` px wide (but a word that is
+    wider than that stays whole)."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and measure(font, f"{lines[-1]} {word}") <= width:
+            lines[-1] = f"{lines[-1]} {word}"
+        else:
+            lines.append(word)
+    return lines
 
 
 def _label_font(width: int, card_width: int) -> _Font:
@@ -207,13 +199,49 @@ def _label_font(width: int, card_width: int) -> _Font:
     return _font(CAP_HEIGHT * max(width, card_width) / card_width)
 
 
-@lru_cache(maxsize=1)
-def _caption_font() -> ImageFont.ImageFont:
-    return ImageFont.load_default()
+@lru_cache(maxsize=512)
+def _glyph(font: _Font, char: str) -> tuple[Image.Image, int]:
+    """One character of ``font`` as a mask one line box high, and its advance in px."""
+    advance = round(font.font.getlength(char))
+    mask = Image.new("L", (max(advance, font.font.getbbox(char)[2]) + 1, font.line_height))
+    ImageDraw.Draw(mask).text((0, -font.top), char, fill=255, font=font.font)
+    return mask, advance
 
 
-def _to_tensor(canvas: Image.Image) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(canvas).copy()).permute(2, 0, 1)
+@lru_cache(maxsize=2048)
+def _line(font: _Font, text: str) -> Image.Image:
+    """``text`` as a mask one line box high, from cached glyphs."""
+    mask = Image.new("L", (max(1, _fast_width(font, text) + 2), font.line_height))
+    x = 0
+    for char in text:
+        glyph, advance = _glyph(font, char)
+        mask.paste(255, (x, 0), glyph)
+        x += advance
+    return mask
+
+
+def _fast_width(font: _Font, text: str) -> int:
+    return sum(_glyph(font, char)[1] for char in text)
+
+
+def _fast_text(
+    font: _Font, canvas: Image.Image, xy: tuple[int, int], text: str, colour=(0, 0, 0)
+) -> None:
+    """Draw ``text`` (black by default) from cached glyphs (no kerning): a page redrawn at
+    every input change sets the same few characters over and over, and FreeType's rendering
+    of each string costs milliseconds. Lines seen before are pasted whole."""
+    canvas.paste(colour, xy, _line(font, text))
+
+
+def _stack(pictures: Sequence[Image.Image], pad: int) -> Image.Image:
+    """Pictures one under the other, left-aligned on white, ``pad`` px apart."""
+    height = sum(p.height + pad for p in pictures) - pad
+    canvas = Image.new("RGB", (max(p.width for p in pictures), height), "white")
+    y = 0
+    for p in pictures:
+        canvas.paste(p, (0, y))
+        y += p.height + pad
+    return canvas
 
 
 # ----------------------------------------------------------------------------- grids
@@ -240,9 +268,8 @@ def labelled_grid(
         (3, height, width) uint8, ready for ``SummaryWriter.add_image``.
     """
     rows, cols = tiles.shape[:2]
-    tiles = F.interpolate(tiles.flatten(0, 1), scale_factor=zoom, mode="nearest")
-    grid = make_grid(tiles, nrow=cols, padding=2, pad_value=1.0)  # (3, H, W)
-    body = Image.fromarray((grid.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
+    grid = make_grid(_pixels(tiles.flatten(0, 1), zoom), nrow=cols, padding=2, pad_value=255)
+    body = to_pil_image(grid)
     tile_h, tile_w = (body.height - 2) // rows, (body.width - 2) // cols
 
     # The row labels widen the picture, which asks for a larger font: grow both until the
@@ -261,7 +288,7 @@ def labelled_grid(
     # as wide as their tiles do not read as one "6>15>8".
     col_font = _fitting(font, col_labels, tile_w - 2 - tile_w // 8)
     title_font = _fitting(font, title.split(), width - 2 * pad)
-    title_lines = title_font.wrap(title, width - 2 * pad)
+    title_lines = _wrap(title_font, title, width - 2 * pad)
     title_h = len(title_lines) * title_font.line_height + pad if title_lines else 0
     col_h = col_font.line_height + pad if any(s.strip() for s in col_labels) else 0
     top = pad + title_h + col_h if title_h or col_h else 0
@@ -276,7 +303,7 @@ def labelled_grid(
     for c, text in enumerate(col_labels):
         x = left + 2 + c * tile_w + (tile_w - 2 - col_font.width(text)) // 2
         col_font.draw(canvas, (x, top - col_h), text)
-    return _to_tensor(canvas)
+    return pil_to_tensor(canvas)
 
 
 def captioned_grid(
@@ -293,60 +320,15 @@ def captioned_grid(
     """
     n, _, h, w = tiles.shape
     cell_h, cell_w = h * zoom + 14, w * zoom + 4
-    rows = max(1, -(-n // cols))
     top = 16 if title else 0
-    canvas = Image.new("RGB", (cols * cell_w, top + rows * cell_h), "white")
-    draw = ImageDraw.Draw(canvas)
-    if title:
-        draw.text((4, 2), title, fill="black", font=_caption_font())
-    big = F.interpolate(tiles.float(), scale_factor=zoom, mode="nearest")
-    pixels = (big.clamp(0, 1).permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
-    for i in range(n):
-        r, c = divmod(i, cols)
-        x, y = c * cell_w + 2, top + r * cell_h
-        draw.text((x, y + 1), captions[i], fill="black", font=_caption_font())
-        canvas.paste(Image.fromarray(pixels[i]), (x, y + 13))
-    return torch.from_numpy(np.asarray(canvas).copy()).permute(2, 0, 1)
-
-
-@lru_cache(maxsize=512)
-def _glyph(font: _Font, char: str) -> tuple[Image.Image, int]:
-    """One character of ``font`` as a mask one line box high, and its advance in px."""
-    advance = round(font.font.getlength(char)) if font.freetype else font.width(char)
-    right = font.font.getbbox(char)[2] if font.freetype else advance
-    mask = Image.new("L", (max(advance, right) + 1, font.line_height))
-    if font.freetype:
-        ImageDraw.Draw(mask).text((0, -font._top), char, fill=255, font=font.font)
-    else:
-        canvas = Image.new("RGB", mask.size, "white")
-        font.draw(canvas, (0, 0), char)
-        mask = Image.eval(canvas.convert("L"), lambda v: 255 - v)
-    return mask, advance
-
-
-def _fast_text(
-    font: _Font, canvas: Image.Image, xy: tuple[int, int], text: str, colour=(0, 0, 0)
-) -> None:
-    """Draw ``text`` (black by default) from cached glyphs (no kerning): a page redrawn at
-    every input change sets the same few characters over and over, and FreeType's rendering
-    of each string costs milliseconds. Lines seen before are pasted whole."""
-    canvas.paste(colour, xy, _line(font, text))
-
-
-@lru_cache(maxsize=2048)
-def _line(font: _Font, text: str) -> Image.Image:
-    """``text`` as a mask one line box high, from cached glyphs."""
-    mask = Image.new("L", (max(1, _fast_width(font, text) + 2), font.line_height))
-    x = 0
-    for char in text:
-        glyph, advance = _glyph(font, char)
-        mask.paste(255, (x, 0), glyph)
-        x += advance
-    return mask
-
-
-def _fast_width(font: _Font, text: str) -> int:
-    return sum(_glyph(font, char)[1] for char in text)
+    canvas = Image.new("RGB", (cols * cell_w, top + max(1, -(-n // cols)) * cell_h), "white")
+    draw = ImageDraw.Draw(canvas)  # without a font: Pillow's default one
+    draw.text((4, 2), title, fill="black")
+    for i, tile in enumerate(_pixels(tiles, zoom)):
+        x, y = i % cols * cell_w + 2, top + i // cols * cell_h
+        draw.text((x, y + 1), captions[i], fill="black")
+        canvas.paste(to_pil_image(tile), (x, y + 13))
+    return pil_to_tensor(canvas)
 
 
 def tile_table(
@@ -373,34 +355,24 @@ def tile_table(
     Returns:
         (3, height, width) uint8.
     """
-    h, w = (rows[0].shape[-2] * zoom, rows[0].shape[-1] * zoom)
+    h, w = rows[0].shape[-2] * zoom, rows[0].shape[-1] * zoom
     font = _font(cap_height)
     pad = max(2, font.cap_height // 2)
     lines = max((len(c.split("\n")) for row in captions for c in row), default=0)
     cell_w, cell_h = w + 2 * pad, h + lines * font.line_height + 2 * pad
     left = max((_fast_width(font, t) for t in row_labels), default=0) + 2 * pad
-    cols = max(len(r) for r in rows)
-    canvas = Image.new("RGB", (left + cols * cell_w, len(rows) * cell_h), "white")
+    canvas = Image.new("RGB", (left + max(map(len, rows)) * cell_w, len(rows) * cell_h), "white")
     for r, (tiles, label) in enumerate(zip(rows, row_labels, strict=True)):
         top = r * cell_h + pad
         _fast_text(font, canvas, (pad, top + h // 2 - font.cap_middle), label)
-        big = F.interpolate(tiles.float(), scale_factor=zoom, mode="nearest")
-        pixels = (big.clamp(0, 1).permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
-        for i, tile in enumerate(pixels):
+        for i, tile in enumerate(_pixels(tiles, zoom)):
             x = left + i * cell_w + pad
-            canvas.paste(Image.fromarray(tile), (x, top))
+            canvas.paste(to_pil_image(tile), (x, top))
             for k, line in enumerate(captions[r][i].split("\n")):
-                small = font
-                while _fast_width(small, line) > w and small.size > 1:
-                    small = _font_of_size(small.size - 1, small.freetype)
+                small = _fitting(font, [line], w, _fast_width)
                 y = top + h + pad // 2 + k * font.line_height
                 _fast_text(small, canvas, (x + (w - _fast_width(small, line)) // 2, y), line)
-    return _to_tensor(canvas)
-
-
-def grey(images: torch.Tensor) -> torch.Tensor:
-    """(N, 1, H, W) images of any normalisation -> (N, 3, H, W) grey in [0, 1]."""
-    return _unit(images.float().cpu()).expand(-1, 3, -1, -1)
+    return pil_to_tensor(canvas)
 
 
 def heatmap_panels(
@@ -428,10 +400,8 @@ def heatmap_panels(
     Returns:
         A matplotlib figure (save it with :func:`vit_mnist.io.save_figure`).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A Figure of its own, not pyplot's: no backend to choose, nothing global to close.
+    from matplotlib.figure import Figure
 
     values = panels.float().cpu().numpy()
     finite = np.abs(values[np.isfinite(values)])
@@ -441,11 +411,9 @@ def heatmap_panels(
     p, r, c = values.shape
     columns = min(columns, p)
     lines = math.ceil(p / columns)
-    size = (0.9 + 0.32 * c, 0.75 + 0.3 * r)
-    figsize = (size[0] * columns + 1.2, size[1] * lines + 0.6)
-    fig, axes = plt.subplots(
-        lines, columns, figsize=figsize, dpi=110, squeeze=False, layout="constrained"
-    )
+    figsize = ((0.9 + 0.32 * c) * columns + 1.2, (0.75 + 0.3 * r) * lines + 0.6)
+    fig = Figure(figsize=figsize, dpi=110, layout="constrained")
+    axes = fig.subplots(lines, columns, squeeze=False)
     cmap = colormaps["RdBu_r"].with_extremes(bad="#bbbbbb")
     for i, ax in enumerate(axes.flat):
         if i >= p:
@@ -462,32 +430,15 @@ def heatmap_panels(
     return fig
 
 
-def _stack(pictures: Sequence[Image.Image], pad: int) -> Image.Image:
-    """Pictures one under the other, left-aligned on white, ``pad`` px apart."""
-    width = max(p.width for p in pictures)
-    height = sum(p.height for p in pictures) + pad * (len(pictures) - 1)
-    canvas = Image.new("RGB", (width, height), "white")
-    y = 0
-    for p in pictures:
-        canvas.paste(p, (0, y))
-        y += p.height + pad
-    return canvas
-
-
 @lru_cache(maxsize=256)
 def _colour_bar(
     width: int, low: str, high: str, caption: str, cmap: str, font: _Font
-) -> np.ndarray:
+) -> Image.Image:
     """A horizontal colour bar ``width`` px wide under ``caption``: the colour map from left
-    to right, ``low`` under its left end and ``high`` under its right end; (h, width, 3)
-    uint8, read-only (cached)."""
+    to right, ``low`` under its left end and ``high`` under its right end (cached: only read
+    it)."""
     pad = max(2, font.cap_height // 2)
-    lines: list[str] = []
-    for word in caption.split():  # as _Font.wrap, measured from the glyph cache
-        if lines and _fast_width(font, f"{lines[-1]} {word}") <= width:
-            lines[-1] = f"{lines[-1]} {word}"
-        else:
-            lines.append(word)
+    lines = _wrap(font, caption, width, _fast_width)
     bar_top = len(lines) * font.line_height + pad
     bar_h = 2 * font.line_height // 3
     colours = _colormap(cmap)[torch.linspace(0, 255, width).round().long()]  # (width, 3)
@@ -499,9 +450,7 @@ def _colour_bar(
     y = bar_top + bar_h + pad
     _fast_text(font, canvas, (0, y), low)
     _fast_text(font, canvas, (width - _fast_width(font, high), y), high)
-    bar = np.asarray(canvas)
-    bar.flags.writeable = False
-    return bar
+    return canvas
 
 
 def with_colour_bar(
@@ -525,18 +474,8 @@ def with_colour_bar(
         (3, H + bar, W') uint8, W' the larger of W and the bar's width.
     """
     font = _font(cap_height)
-    bar = torch.from_numpy(
-        _colour_bar(width or min(picture.shape[-1], 320), low, high, caption, cmap, font).copy()
-    ).permute(2, 0, 1)
-    gap = max(2, font.cap_height)
-    out = torch.full(
-        (3, picture.shape[1] + gap + bar.shape[1], max(picture.shape[2], bar.shape[2])),
-        255,
-        dtype=torch.uint8,
-    )
-    out[:, : picture.shape[1], : picture.shape[2]] = picture
-    out[:, picture.shape[1] + gap :, : bar.shape[2]] = bar
-    return out
+    bar = _colour_bar(width or min(picture.shape[-1], 320), low, high, caption, cmap, font)
+    return pil_to_tensor(_stack([to_pil_image(picture), bar], pad=max(2, font.cap_height)))
 
 
 def attention_matrix(
@@ -564,30 +503,24 @@ def attention_matrix(
         px before the right and bottom edges (``over`` > 0 where names are taller than a
         cell).
     """
-    tokens = weights.shape[-1]
     font = _font(cap_height)
     pad = max(2, font.cap_height // 2)
-    every = max(1, math.ceil(font.line_height / cell))
-    named = range(0, tokens, every)
+    named = range(0, weights.shape[-1], max(1, math.ceil(font.line_height / cell)))
     colours = colorize(weights[None].float(), cmap, low=low, high=high)
-    big = F.interpolate(colours, scale_factor=cell, mode="nearest")[0]
-    body = Image.fromarray((big.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
+    body = to_pil_image(_pixels(colours, cell)[0])
     # Names taller than a cell stick out past the first and last cells: room for them.
     over = max(0, (font.line_height - cell) // 2 + 1)
     left = max(_fast_width(font, labels[i]) for i in named) + 2 * pad + over
     top = left  # the column names are the row names, set upright
     canvas = Image.new("RGB", (left + body.width + over, top + body.height + over), "white")
     canvas.paste(body, (left, top))
-    column = Image.new("RGB", (top, font.line_height), "white")
     for i in named:
-        middle = i * cell + cell // 2 - font.line_height // 2
-        _fast_text(
-            font, canvas, (left - pad - _fast_width(font, labels[i]), top + middle), labels[i]
-        )
-        column.paste("white", (0, 0, column.width, column.height))
-        _fast_text(font, column, (pad, 0), labels[i])
+        name, middle = labels[i], i * cell + cell // 2 - font.line_height // 2
+        _fast_text(font, canvas, (left - pad - _fast_width(font, name), top + middle), name)
+        column = Image.new("RGB", (top, font.line_height), "white")
+        _fast_text(font, column, (pad, 0), name)
         canvas.paste(column.rotate(90, expand=True), (left + middle, 0))
-    return _to_tensor(canvas)
+    return pil_to_tensor(canvas)
 
 
 def stack_pictures(
@@ -599,13 +532,12 @@ def stack_pictures(
         (3, H, W) uint8.
     """
     font = _font(cap_height)
-    pad = max(2, font.cap_height)
     parts = []
     for picture, title in zip(pictures, titles, strict=True):
         heading = Image.new("RGB", (max(1, _fast_width(font, title)), font.line_height), "white")
         _fast_text(font, heading, (0, 0), title)
-        parts += [heading, Image.fromarray(picture.permute(1, 2, 0).numpy())]
-    return _to_tensor(_stack(parts, pad=pad))
+        parts += [heading, to_pil_image(picture)]
+    return pil_to_tensor(_stack(parts, pad=max(2, font.cap_height)))
 
 
 def value_table(
@@ -633,25 +565,23 @@ def value_table(
     top = font.line_height + pad
     rows, cols = values.shape
     canvas = Image.new("RGB", (left + cols * width, top + rows * height), "white")
-    colours = (diverging(values[None], limit)[0] * 255).round().to(torch.uint8)
+    colours = _pixels(diverging(values[None], limit), 1)[0]
     for c, label in enumerate(col_labels):
-        _fast_text(
-            font, canvas, (left + c * width + (width - _fast_width(font, label)) // 2, 0), label
-        )
+        x = left + c * width + (width - _fast_width(font, label)) // 2
+        _fast_text(font, canvas, (x, 0), label)
     for r, label in enumerate(row_labels):
         y = top + r * height
-        _fast_text(font, canvas, (pad, y + (height - font.line_height) // 2), label)
+        text_y = y + (height - font.line_height) // 2
+        _fast_text(font, canvas, (pad, text_y), label)
         for c in range(cols):
-            value = float(values[r, c])
+            value, x0 = float(values[r, c]), left + c * width
             if math.isnan(value):
                 continue
             is_off = off is not None and bool(off[r, c])
             fill = (200, 200, 200) if is_off else tuple(colours[:, r, c].tolist())
-            box = (left + c * width + 1, y + 1, left + (c + 1) * width - 1, y + height - 1)
-            canvas.paste(fill, box)
+            canvas.paste(fill, (x0 + 1, y + 1, x0 + width - 1, y + height - 1))
             text = "off" if is_off else f"{value:+.2f}"
-            x = left + c * width + (width - _fast_width(font, text)) // 2
+            x = x0 + (width - _fast_width(font, text)) // 2
             dark = sum(fill) < 300  # white text on the deepest reds and blues
-            colour = (255, 255, 255) if dark else (0, 0, 0)
-            _fast_text(font, canvas, (x, y + (height - font.line_height) // 2), text, colour)
-    return _to_tensor(canvas)
+            _fast_text(font, canvas, (x, text_y), text, (255, 255, 255) if dark else (0, 0, 0))
+    return pil_to_tensor(canvas)
