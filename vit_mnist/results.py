@@ -8,7 +8,6 @@ deviation over the seeds, never the best seed.
 from __future__ import annotations
 
 import csv
-import io
 import json
 import re
 import shlex
@@ -76,6 +75,11 @@ class Row:
     def first(self) -> dict[str, Any]:
         return self.runs[0].metrics
 
+    @property
+    def heads(self) -> int:
+        """The number of heads per block of the row's model."""
+        return int(self.first["model"]["num_heads"])
+
     def fit_times(self) -> list[float]:
         """Seconds from the first training step to the end of the last (``fit_time_s``; the
         whole ``trainer.fit`` for runs from before that was recorded)."""
@@ -124,14 +128,13 @@ class Row:
 
     def markdown(self, default: Run | None = None) -> list[str]:
         m = self.first
-        seeds = sorted(r.seed for r in self.runs)
         mean, std = self.test_acc
         val = self._values("val/acc_best")
         fit = self.fit_times()
         # Start-up, data, compile and test included; measured from outside the process, so
         # only runs started by scripts/speedrun.py have it.
         command = self._values("command_wall_s")
-        test = f"{mean:.2f} +- {std:.2f} (n={len(seeds)})"
+        test = f"{mean:.2f} +- {std:.2f} (n={len(self.runs)})"
         one_view = [100 * v for v in self._values("test/acc_one_view")]
         if one_view:  # module.test_time_shift: the accuracy above averages shifted copies
             test += f", shifted copies averaged (one view: {statistics.fmean(one_view):.2f})"
@@ -167,15 +170,14 @@ def find_runs(paths: Iterable[str | Path]) -> list[Run]:
         if not root.exists():
             raise FileNotFoundError(f"{root} does not exist")
         for metrics_file in sorted(root.rglob("metrics.json")):
-            run_dir = metrics_file.parent
-            overrides_file = run_dir / ".hydra" / "overrides.yaml"
+            overrides_file = metrics_file.parent / ".hydra" / "overrides.yaml"
             if not overrides_file.is_file():
                 continue  # an eval or export dir, not a training run
             metrics = json.loads(metrics_file.read_text())
             if "test/acc" not in metrics or "seed" not in metrics or "epochs" not in metrics:
                 continue  # an evaluation (eval.py) inside a run dir, not a training run
             overrides = yaml.safe_load(overrides_file.read_text()) or []
-            runs.append(Run(run_dir, metrics, [str(o) for o in overrides], index))
+            runs.append(Run(metrics_file.parent, metrics, [str(o) for o in overrides], index))
     if not runs:
         where = ", ".join(map(str, roots))
         raise FileNotFoundError(f"no training run (metrics.json + .hydra/) under {where}")
@@ -224,29 +226,18 @@ def group_rows(runs: Iterable[Run]) -> list[Row]:
     return sorted(rows.values(), key=order)
 
 
-HEADER = [
-    "dataset",
-    "experiment",
-    "parameters",
-    "epochs",
-    "hardware, precision",
-    "fitting time (s, mean)",
-    "fitting time / the default run's on that CPU",
-    "whole command (s, mean)",
-    "test acc % (mean +- std over seeds)",
-    "best val acc % (mean)",
-    "teacher: test acc, fitting time",
-    "command",
-]
+# Each table's header is written as its Markdown line, cut at the " | " between cells.
+HEADER = (
+    "dataset | experiment | parameters | epochs | hardware, precision | fitting time (s, mean)"
+    " | fitting time / the default run's on that CPU | whole command (s, mean)"
+    " | test acc % (mean +- std over seeds) | best val acc % (mean)"
+    " | teacher: test acc, fitting time | command"
+).split(" | ")
 
 
 def _markdown(header: Sequence[str], lines: Iterable[Sequence[str]]) -> str:
     """A Markdown table of ``header`` and one line per list of cells."""
-    out = io.StringIO()
-    out.write("| " + " | ".join(header) + " |\n|" + " --- |" * len(header) + "\n")
-    for cells in lines:
-        out.write("| " + " | ".join(cells) + " |\n")
-    return out.getvalue()
+    return "".join(f"| {' | '.join(c)} |\n" for c in [header, ["---"] * len(header), *lines])
 
 
 def markdown_table(rows: Sequence[Row], default: Run | None = None) -> str:
@@ -255,27 +246,16 @@ def markdown_table(rows: Sequence[Row], default: Run | None = None) -> str:
     return _markdown(HEADER, (row.markdown(default) for row in rows))
 
 
-def heads_curve(rows: Sequence[Row]) -> list[tuple[int, float, float, int]]:
-    """``(num_heads, mean test acc %, std, seeds)`` for rows that differ in ``num_heads``."""
-    points = []
-    for row in rows:
-        mean, std = row.test_acc
-        points.append((int(row.first["model"]["num_heads"]), mean, std, len(row.runs)))
-    return sorted(points)
-
-
 def heads_plot(rows: Sequence[Row], out: Path, title: str) -> Path:
     """Test accuracy (mean +- std over seeds) against heads, written to ``out`` (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A Figure of its own, not pyplot's: no GUI backend is chosen or needed.
+    from matplotlib.figure import Figure
 
     from vit_mnist.io import save_figure
 
-    points = heads_curve(rows)
-    heads, means, stds = (list(v) for v in zip(*[p[:3] for p in points], strict=True))
-    fig, ax = plt.subplots(figsize=(5, 3.5), dpi=120)
+    heads, means, stds = zip(*sorted((row.heads, *row.test_acc) for row in rows), strict=True)
+    fig = Figure(figsize=(5, 3.5), dpi=120)
+    ax = fig.subplots()
     ax.errorbar(heads, means, yerr=stds, marker="o", capsize=4)
     ax.set_xscale("log", base=2)
     ax.set_xticks(heads, [str(h) for h in heads])
@@ -310,11 +290,10 @@ def _head_rows(run: Run, name: str) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    return [
-        {k: v if k in TEXT_COLUMNS else float(v) for k, v in r.items() if v not in ("", None)}
-        for r in rows
-    ]
+        return [
+            {k: v if k in TEXT_COLUMNS else float(v) for k, v in r.items() if v not in ("", None)}
+            for r in csv.DictReader(f)
+        ]
 
 
 def heads_of(run: Run) -> list[dict[str, Any]]:
@@ -328,21 +307,15 @@ def heads_of(run: Run) -> list[dict[str, Any]]:
 def heads_sweep_table(rows: Sequence[Row]) -> str:
     """One line per head count: accuracy, its gap to training, fitting time, and the per-head
     attention entropy, distance and importance over every head of every seed."""
-    header = [
-        "heads",
-        "head_dim",
-        "seeds",
-        "test acc % (mean +- std)",
-        "best val acc % (mean)",
-        "train - val acc at the end (pp, mean)",
-        "fitting time (s, mean)",
-        "entropy, nats: median (10th-90th pct.)",
-        "mean attention distance, px: median (10th-90th pct.)",
-        "acc drop when zeroed, pp: median (max)",
-    ]
+    header = (
+        "heads | head_dim | seeds | test acc % (mean +- std) | best val acc % (mean)"
+        " | train - val acc at the end (pp, mean) | fitting time (s, mean)"
+        " | entropy, nats: median (10th-90th pct.)"
+        " | mean attention distance, px: median (10th-90th pct.)"
+        " | acc drop when zeroed, pp: median (max)"
+    ).split(" | ")
     lines = []
-    for row in sorted(rows, key=lambda r: int(r.first["model"]["num_heads"])):
-        model = row.first["model"]
+    for row in sorted(rows, key=lambda r: r.heads):
         mean, std = row.test_acc
         gaps = [
             100 * (float(r.metrics["train/acc"]) - float(r.metrics["val/acc"]))
@@ -352,8 +325,8 @@ def heads_sweep_table(rows: Sequence[Row]) -> str:
         per_head = [h for r in row.runs for h in heads_of(r)]
         drops = [100 * h["acc_drop"] for h in per_head]
         cells = [
-            str(model["num_heads"]),
-            str(model["embed_dim"] // int(model["num_heads"])),
+            str(row.heads),
+            str(row.first["model"]["embed_dim"] // row.heads),
             str(len(row.runs)),
             f"{mean:.2f} +- {std:.2f}",
             f"{100 * statistics.fmean(row._values('val/acc_best')):.2f}",
@@ -382,18 +355,17 @@ def runs_table(rows: Sequence[Row]) -> str:
     for run in sorted((run for row in rows for run in row.runs), key=order):
         m = run.metrics
         fit = m.get("fit_time_s") or m.get("train_time_s")
-        lines.append(
-            [
-                str(m["model"].get("patch_size", "-")),
-                str(m["model"]["num_heads"]),
-                str(run.seed),
-                run.device(),
-                f"{m.get('precision')}, {m.get('speed_path', '-')}",
-                _seconds(float(fit)) if fit else "-",
-                f"{100 * float(m['test/acc']):.2f}",
-                f"`{run.path.name}`",
-            ]
-        )
+        cells = [
+            str(m["model"].get("patch_size", "-")),
+            str(m["model"]["num_heads"]),
+            str(run.seed),
+            run.device(),
+            f"{m.get('precision')}, {m.get('speed_path', '-')}",
+            _seconds(float(fit)) if fit else "-",
+            f"{100 * float(m['test/acc']):.2f}",
+            f"`{run.path.name}`",
+        ]
+        lines.append(cells)
     return _markdown(header, lines)
 
 
@@ -404,16 +376,14 @@ def _lift(head: dict[str, Any], part: str) -> float:
     return head[f"{part}_share"] / area if area > 0 else 0.0
 
 
-def roles_of(run: Run) -> list[dict[str, Any]]:
-    """The per-head rows of ``eval.py analysis=roles`` for this run (``<run>/roles/``);
-    empty when the analysis has not been run."""
-    return _head_rows(run, ROLES_FILE)
-
-
 def patch_tokens(row: Row) -> int:
     """The number of patch tokens of the row's model (the CLS token not counted)."""
     model = row.first["model"]
     return (int(model.get("img_size", 28)) // int(model["patch_size"])) ** 2
+
+
+def _by_shape(row: Row) -> tuple[int, int]:
+    return patch_tokens(row), row.heads
 
 
 def roles_table(rows: Sequence[Row]) -> str:
@@ -425,55 +395,34 @@ def roles_table(rows: Sequence[Row]) -> str:
     head prefers that part to the rest of the ink); centre is the attended distance to the
     ink's centre of mass over a uniform map's (below 1: central). Rows whose runs lack
     ``roles.csv`` are left out."""
-    header = [
-        "tokens",
-        "heads",
-        "layer",
-        "ink lift",
-        "stroke ends / ink (lift ratio)",
-        "curves / ink (lift ratio)",
-        "centre ratio",
-        "mean attention distance (px)",
-        "acc drop when zeroed (pp)",
-    ]
-    lines = []
+    header = (
+        "tokens | heads | layer | ink lift | stroke ends / ink (lift ratio)"
+        " | curves / ink (lift ratio) | centre ratio | mean attention distance (px)"
+        " | acc drop when zeroed (pp)"
+    ).split(" | ")
+    per_head = (  # one head's figure for each column from "ink lift" on
+        lambda h: _lift(h, "ink"),
+        lambda h: _lift(h, "end") / max(_lift(h, "ink"), 1e-9),
+        lambda h: _lift(h, "curve") / max(_lift(h, "ink"), 1e-9),
+        lambda h: h["centre_distance_px"] / h["centre_distance_uniform_px"],
+        lambda h: h["mean_distance_px"],
+        lambda h: 100 * h["acc_drop"],
+    )
 
     def spread(per_run: list[list[float]]) -> str:
         low = statistics.fmean(min(v) for v in per_run)
         high = statistics.fmean(max(v) for v in per_run)
         return f"{low:.2f}" if len(per_run[0]) == 1 else f"{low:.2f}-{high:.2f}"
 
-    def order(row: Row) -> tuple[int, int]:
-        return patch_tokens(row), int(row.first["model"]["num_heads"])
-
-    for row in sorted(rows, key=order):
-        per_run = [roles_of(r) for r in row.runs]
-        per_run = [heads for heads in per_run if heads]
+    lines = []
+    for row in sorted(rows, key=_by_shape):
+        per_run = [heads for r in row.runs if (heads := _head_rows(r, ROLES_FILE))]
         if not per_run:
             continue
         for layer in range(int(row.first["model"]["depth"])):
             layers = [[h for h in heads if h["layer"] == layer] for heads in per_run]
-            ink = [[_lift(h, "ink") for h in hs] for hs in layers]
-            parts = {
-                part: [[_lift(h, part) / max(_lift(h, "ink"), 1e-9) for h in hs] for hs in layers]
-                for part in ("end", "curve")
-            }
-            centre = [
-                [h["centre_distance_px"] / h["centre_distance_uniform_px"] for h in hs]
-                for hs in layers
-            ]
-            cells = [
-                str(patch_tokens(row)),
-                str(row.first["model"]["num_heads"]),
-                str(layer),
-                spread(ink),
-                spread(parts["end"]),
-                spread(parts["curve"]),
-                spread(centre),
-                spread([[h["mean_distance_px"] for h in hs] for hs in layers]),
-                spread([[100 * h["acc_drop"] for h in hs] for hs in layers]),
-            ]
-            lines.append(cells)
+            cells = [str(patch_tokens(row)), str(row.heads), str(layer)]
+            lines.append(cells + [spread([[f(h) for h in hs] for hs in layers]) for f in per_head])
     return _markdown(header, lines)
 
 
@@ -485,6 +434,10 @@ def _spearman(x: Sequence[float], y: Sequence[float]) -> float:
     if len(x) < 3:
         return float("nan")
     return float(spearman_corrcoef(torch.tensor(x).double(), torch.tensor(y).double()))
+
+
+def _where(head: dict[str, Any]) -> tuple[int, int]:
+    return int(head["layer"]), int(head["head"])
 
 
 def circuit_figures(run: Run) -> dict[str, float] | None:
@@ -515,66 +468,52 @@ def circuit_figures(run: Run) -> dict[str, float] | None:
         return None
     heads = [c for c in components if "head" in c]
     classes = [k[len("to_margin_") :] for k in components[0] if k.startswith("to_margin_")]
+    # positive[head][class]: the head's positive contribution to that class's margin.
+    positive = [[max(0.0, h.get(f"to_margin_{k}", 0.0)) for k in classes] for h in heads]
 
-    def positive(row: dict[str, Any], k: str) -> float:
-        return max(0.0, row.get(f"to_margin_{k}", 0.0))
+    def top_share(values: Sequence[float]) -> float:
+        return max(values) / sum(values) if sum(values) > 0 else float("nan")
 
-    specificity = []
-    for h in heads:
-        values = [positive(h, k) for k in classes]
-        specificity.append(max(values) / sum(values) if sum(values) > 0 else float("nan"))
-    class_top = []
-    for k in classes:
-        values = [positive(h, k) for h in heads]
-        class_top.append(max(values) / sum(values) if sum(values) > 0 else float("nan"))
-    head_margin = [max(0.0, h["to_margin"]) for h in heads]
+    specificity = [top_share(per_class) for per_class in positive]
+    class_top = [top_share(per_head) for per_head in zip(*positive, strict=True)]
+    margin = [h["to_margin"] for h in heads]
+    head_margin = [max(0.0, m) for m in margin]
     figures = {
-        "heads_share": sum(h["to_margin"] for h in heads) / sum(c["to_margin"] for c in components),
+        "heads_share": sum(margin) / sum(c["to_margin"] for c in components),
         "top_head_share": max(head_margin) / sum(head_margin) if sum(head_margin) else 0.0,
         "specificity": statistics.median(specificity),
         "specificity_max": max(specificity),
         "class_top_share": statistics.median(class_top),
         "class_top_share_max": max(class_top),
-        "rho_entropy": _spearman(
-            [h["to_margin"] for h in heads], [h["entropy_nats"] for h in heads]
-        ),
-        "rho_distance": _spearman(
-            [h["to_margin"] for h in heads], [h["mean_distance_px"] for h in heads]
-        ),
+        "rho_entropy": _spearman(margin, [h["entropy_nats"] for h in heads]),
+        "rho_distance": _spearman(margin, [h["mean_distance_px"] for h in heads]),
     }
     path = run.path / CIRCUITS_PATCHING_FILE
     if path.is_file():
+        best: dict[tuple[str, str, str], float] = {}  # by direction and patched pair
         with path.open(newline="") as f:
-            patched = [r for r in csv.DictReader(f) if r["kind"] == "heads"]
-        for direction, key in (("denoising", "patch_best"), ("noising", "noise_best")):
-            best: dict[tuple[str, str], float] = {}
-            for r in patched:
-                if r["direction"] == direction:
-                    pair = (r["clean"], r["corrupted"])
+            for r in csv.DictReader(f):
+                if r["kind"] == "heads":
+                    pair = (r["direction"], r["clean"], r["corrupted"])
                     best[pair] = max(best.get(pair, float("-inf")), float(r["score"]))
-            if best:
-                figures[key] = statistics.median(best.values())
-                figures[f"{key}_max"] = max(best.values())
-    roles = {(int(r["layer"]), int(r["head"])): r for r in roles_of(run)}
+        for direction, key in (("denoising", "patch_best"), ("noising", "noise_best")):
+            if values := [v for (d, *_), v in best.items() if d == direction]:
+                figures[key] = statistics.median(values)
+                figures[f"{key}_max"] = max(values)
+    roles = {_where(r): r for r in _head_rows(run, ROLES_FILE)}
     if roles:
-        matched = [(h, roles.get((int(h["layer"]), int(h["head"])))) for h in heads]
-        matched = [(h, r) for h, r in matched if r is not None]
+        # (margin, roles row, specificity) of each head that analysis=roles has too
+        matched = [
+            (m, roles[_where(h)], s)
+            for h, m, s in zip(heads, margin, specificity, strict=True)
+            if _where(h) in roles
+        ]
         figures["rho_drop"] = _spearman(
-            [h["to_margin"] for h, _ in matched], [r["acc_drop"] for _, r in matched]
+            [m for m, _, _ in matched], [r["acc_drop"] for _, r, _ in matched]
         )
-        spec = dict(
-            zip([(int(h["layer"]), int(h["head"])) for h in heads], specificity, strict=True)
-        )
-        ends = [
-            spec[(int(h["layer"]), int(h["head"]))]
-            for h, r in matched
-            if _lift(r, "end") >= 2 * max(_lift(r, "ink"), 1e-9)
-        ]
-        others = [
-            spec[(int(h["layer"]), int(h["head"]))]
-            for h, r in matched
-            if _lift(r, "end") < 2 * max(_lift(r, "ink"), 1e-9)
-        ]
+        lifts = [(s, _lift(r, "end"), 2 * max(_lift(r, "ink"), 1e-9)) for _, r, s in matched]
+        ends = [s for s, end, twice_ink in lifts if end >= twice_ink]
+        others = [s for s, end, twice_ink in lifts if end < twice_ink]
         figures["end_heads"] = len(ends)
         if ends:
             figures["end_specificity"] = statistics.fmean(ends)
@@ -586,53 +525,42 @@ def circuit_figures(run: Run) -> dict[str, float] | None:
 def circuits_table(rows: Sequence[Row]) -> str:
     """One line per token count and head count: :func:`circuit_figures`, the mean over the
     row's runs that have ``analysis=circuits`` (rows without any are left out)."""
-    header = [
-        "tokens",
-        "heads",
-        "runs",
-        "test acc %",
-        "heads' share of the direct margin",
-        "top head's share",
-        "class specificity of a head: median (max)",
-        "top head's share of a class: median (max)",
-        "best head, patching: restored / destroyed, median (max) over pairs",
-        "rank corr. of contribution with entropy / distance / acc drop",
-        "stroke-end heads: n, specificity (others)",
-    ]
-
-    def order(row: Row) -> tuple[int, int]:
-        return patch_tokens(row), int(row.first["model"]["num_heads"])
+    header = (
+        "tokens | heads | runs | test acc % | heads' share of the direct margin | top head's share"
+        " | class specificity of a head: median (max) | top head's share of a class: median (max)"
+        " | best head, patching: restored / destroyed, median (max) over pairs"
+        " | rank corr. of contribution with entropy / distance / acc drop"
+        " | stroke-end heads: n, specificity (others)"
+    ).split(" | ")
 
     def mean(found: list[dict[str, float]], key: str, spec: str = ".2f") -> str:
         values = [f[key] for f in found if key in f and f[key] == f[key]]  # not NaN
         return format(statistics.fmean(values), spec) if values else "-"
 
     lines = []
-    for row in sorted(rows, key=order):
+    for row in sorted(rows, key=_by_shape):
         found = [f for f in map(circuit_figures, row.runs) if f]
         if not found:
             continue
         acc = statistics.fmean(100 * float(r.metrics["test/acc"]) for r in row.runs)
         ends = sum(f.get("end_heads", 0) for f in found)
-        lines.append(
-            [
-                str(patch_tokens(row)),
-                str(row.first["model"]["num_heads"]),
-                str(len(found)),
-                f"{acc:.2f}",
-                mean(found, "heads_share"),
-                mean(found, "top_head_share"),
-                f"{mean(found, 'specificity')} ({mean(found, 'specificity_max')})",
-                f"{mean(found, 'class_top_share')} ({mean(found, 'class_top_share_max')})",
-                f"{mean(found, 'patch_best')} / {mean(found, 'noise_best')} "
-                f"({mean(found, 'patch_best_max')} / {mean(found, 'noise_best_max')})",
-                f"{mean(found, 'rho_entropy', '+.2f')} / {mean(found, 'rho_distance', '+.2f')} / "
-                f"{mean(found, 'rho_drop', '+.2f')}",
-                (f"{ends}, {mean(found, 'end_specificity')} ({mean(found, 'other_specificity')})")
-                if ends
-                else "0",
-            ]
-        )
+        end_specificity = f"{mean(found, 'end_specificity')} ({mean(found, 'other_specificity')})"
+        cells = [
+            str(patch_tokens(row)),
+            str(row.heads),
+            str(len(found)),
+            f"{acc:.2f}",
+            mean(found, "heads_share"),
+            mean(found, "top_head_share"),
+            f"{mean(found, 'specificity')} ({mean(found, 'specificity_max')})",
+            f"{mean(found, 'class_top_share')} ({mean(found, 'class_top_share_max')})",
+            f"{mean(found, 'patch_best')} / {mean(found, 'noise_best')} "
+            f"({mean(found, 'patch_best_max')} / {mean(found, 'noise_best_max')})",
+            f"{mean(found, 'rho_entropy', '+.2f')} / {mean(found, 'rho_distance', '+.2f')} / "
+            f"{mean(found, 'rho_drop', '+.2f')}",
+            f"{ends}, {end_specificity}" if ends else "0",
+        ]
+        lines.append(cells)
     return _markdown(header, lines)
 
 
@@ -686,10 +614,7 @@ def proxy_table(
 def heads_sweep_figure(rows: Sequence[Row], out: Path) -> Path:
     """Per-head entropy, mean attention distance and accuracy drop against the number of
     heads: one dot per head of every seed and layer, the median as a line (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     from vit_mnist.io import save_figure
 
@@ -698,21 +623,19 @@ def heads_sweep_figure(rows: Sequence[Row], out: Path) -> Path:
         ("mean_distance_px", 1.0, "mean attention distance (px)"),
         ("acc_drop", 100.0, "test acc drop when zeroed (pp)"),
     ]
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4), dpi=120)
-    ordered = sorted(rows, key=lambda r: int(r.first["model"]["num_heads"]))
-    heads = [int(r.first["model"]["num_heads"]) for r in ordered]
+    fig = Figure(figsize=(11, 3.4), dpi=120)
+    axes = fig.subplots(1, 3)
+    ordered = sorted(rows, key=lambda r: r.heads)
     for ax, (key, scale, label) in zip(axes, panels, strict=True):
         medians = []
         for i, row in enumerate(ordered):
             values = [scale * h[key] for r in row.runs for h in heads_of(r)]
-            if not values:
-                medians.append(float("nan"))
-                continue
-            jitter = [i + 0.25 * ((k * 0.618) % 1 - 0.5) for k in range(len(values))]
-            ax.scatter(jitter, values, s=6, alpha=0.35, color="tab:blue")
-            medians.append(statistics.median(values))
+            if values:
+                jitter = [i + 0.25 * ((k * 0.618) % 1 - 0.5) for k in range(len(values))]
+                ax.scatter(jitter, values, s=6, alpha=0.35, color="tab:blue")
+            medians.append(statistics.median(values) if values else float("nan"))
         ax.plot(range(len(ordered)), medians, color="tab:red", marker="o", label="median")
-        ax.set_xticks(range(len(ordered)), [str(h) for h in heads])
+        ax.set_xticks(range(len(ordered)), [str(r.heads) for r in ordered])
         ax.set_xlabel("num_heads")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
