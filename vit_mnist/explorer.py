@@ -23,6 +23,7 @@ import csv
 import errno
 import io
 import ipaddress
+import itertools
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 import torch
@@ -38,27 +40,12 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
+from vit_mnist import drawing
 from vit_mnist.analysis.explain import ImageExplanation, explain_image
 from vit_mnist.analysis.roles import ROLE_COLUMNS
 from vit_mnist.callbacks.attention_maps import panel_indices
 from vit_mnist.checkpointing import checkpoint_datamodule, read_checkpoint, resolve_ckpt_path
-from vit_mnist.drawing import (
-    attention_matrix,
-    crossed_out,
-    grey,
-    overlay,
-    stack_pictures,
-    tile_table,
-    value_table,
-    with_colour_bar,
-)
-from vit_mnist.errors import (
-    CheckpointError,
-    ConfigError,
-    DataError,
-    WriteError,
-    exit_on_user_error,
-)
+from vit_mnist.errors import CheckpointError, ConfigError, DataError, WriteError, exit_on_user_error
 from vit_mnist.io import atomic_write_bytes, save_png
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.module import RUN_INFO_KEY
@@ -73,12 +60,6 @@ MATRIX_SIDE = 340  # px: the attention matrix's cells at most this wide together
 TOP_K = 3  # classes in the prediction panel
 # The colour scale's choices; the first is the default.
 SCALES = ("each map", "shared")
-SCALE_NOTE = (
-    "**Colours** run from the colour bar's left end (dark) to its right end (bright). With "
-    "*each map*, every map is scaled to its own minimum and maximum, so a head that "
-    "attends almost evenly looks as vivid as a sharp one; with *shared*, all maps of a "
-    "panel share one scale from 0 to the panel's largest value."
-)
 # The Draw tab's canvas, the page's own (Gradio's HTML component): at the pointer's release
 # the drawing goes with the event, one PNG data URL in one request. Gradio's Sketchpad
 # renders and uploads three PNGs first, about a second a stroke in headless Chromium on a
@@ -107,20 +88,10 @@ LENS_LINES = ("predicted", "compared")
 DRAWING = "drawing"  # the source of an image drawn on the page
 # The columns of eval.py's head_importance.csv (analysis=heads) that the head table shows,
 # in this order; and those of its roles.csv (analysis=roles).
-HEAD_TABLE_COLUMNS = (
-    "layer",
-    "head",
-    "acc_drop",
-    "loss_increase",
-    "grad_importance",
-    "entropy_nats",
-    "mean_distance_px",
+HEAD_TABLE_COLUMNS = tuple(
+    "layer head acc_drop loss_increase grad_importance entropy_nats mean_distance_px".split()
 )
 ROLE_TABLE_COLUMNS = ("layer", "head", "acc_drop", *ROLE_COLUMNS, "most_hurt_class")
-# System fonts only: Gradio's default theme asks Google Fonts, which an offline machine
-# cannot reach (the page then waits on it).
-FONTS = ["ui-sans-serif", "system-ui", "sans-serif"]
-MONO_FONTS = ["ui-monospace", "monospace"]
 
 
 def original_heads(ckpt: dict[str, Any]) -> list[list[int]]:
@@ -131,10 +102,9 @@ def original_heads(ckpt: dict[str, Any]) -> list[list[int]]:
     depth, counts = int(args["depth"]), args["num_heads"]
     counts = list(counts) if isinstance(counts, list | tuple) else [int(counts)] * depth
     removed: list[set[int]] = [set() for _ in range(depth)]
-    for step in ckpt.get("pruned_heads", []):
-        for pair in str(step).split():
-            layer, _, head = pair.partition(":")
-            removed[int(layer)].add(int(head))
+    for pair in " ".join(map(str, ckpt.get("pruned_heads", []))).split():
+        layer, _, head = pair.partition(":")
+        removed[int(layer)].add(int(head))
     heads = []
     for layer, count in enumerate(counts):
         kept = [h for h in range(count + len(removed[layer])) if h not in removed[layer]]
@@ -165,12 +135,11 @@ def read_head_table(path: str | Path) -> tuple[list[str], list[list[Any]]]:
     missing = [c for c in columns if rows and c not in rows[0]]
     if not rows or missing:
         raise ConfigError(f"heads_csv={path} has no rows or lacks columns {missing}; {fix}")
-    table = []
-    for r in sorted(rows, key=lambda r: -float(r["acc_drop"])):
-        values = [int(r["layer"]), int(r["head"]), round(100 * float(r["acc_drop"]), 3)]
-        table.append(
-            values + [r[c] if c == "most_hurt_class" else float(r[c]) for c in columns[3:]]
-        )
+    table = [
+        [int(r["layer"]), int(r["head"]), round(100 * float(r["acc_drop"]), 3)]
+        + [r[c] if c == "most_hurt_class" else float(r[c]) for c in columns[3:]]
+        for r in sorted(rows, key=lambda r: -float(r["acc_drop"]))
+    ]
     return ["layer", "head", "acc_drop (points)", *columns[3:]], table
 
 
@@ -221,18 +190,13 @@ def colour_range(maps: Sequence[torch.Tensor], shared: bool) -> tuple[float | No
     return 0.0, max(float(m.max()) for m in maps)
 
 
-def _bar(
-    picture: torch.Tensor,
-    maps: Sequence[torch.Tensor],
-    low: float | None,
-    high: float | None,
-    caption: str,
-) -> np.ndarray:
+def _bar(picture: torch.Tensor, maps: list[torch.Tensor], shared: bool, caption: str) -> np.ndarray:
     """``picture`` with the colour bar of its ``maps`` under it, as Gradio shows it."""
+    low, high = colour_range(maps, shared)
     if low is None and len(maps) == 1:  # one map scaled to itself: its own range
         low, high = float(maps[0].min()), float(maps[0].max())
     ends = ("each map's min", "its max") if low is None else (f"{low:.3g}", f"{high:.3g}")
-    return _array(with_colour_bar(picture, low=ends[0], high=ends[1], caption=caption))
+    return _array(drawing.with_colour_bar(picture, low=ends[0], high=ends[1], caption=caption))
 
 
 @dataclass
@@ -406,9 +370,9 @@ class Explorer:
         p, c = e.probs.topk(min(TOP_K, len(e.probs)))
         top = {names[j]: float(q) for j, q in zip(c.tolist(), p.tolist(), strict=True)}
         image = x.float().cpu()
-        base = int(e.base_probs.argmax())
         summary = f"predicted: {names[e.predicted]} ({100 * float(e.probs.max()):.1f}%)"
         if e.heads_off:
+            base = int(e.base_probs.argmax())
             before, after = 100 * float(e.base_probs[base]), 100 * float(e.probs[base])
             n = len(e.heads_off)
             summary += (
@@ -420,33 +384,6 @@ class Explorer:
         seen, query_view, matrix = self.query(
             e, x, layer=layer, token=token, matrix_head=matrix_head, shared=shared
         )
-        shown = self._on(e, range(len(e.cls_maps)))
-        low, high = colour_range(shown, shared)
-        rows, captions = [], []
-        for lyr, maps in enumerate(e.cls_maps):
-            rows.append(self._tiles(e, image, lyr, maps, low, high))
-            captions.append(
-                [
-                    f"head {self.head_names[lyr][h]} OFF\n(output zeroed)"
-                    if (lyr, h) in e.heads_off
-                    else f"head {self.head_names[lyr][h]}\n"
-                    f"{float(e.entropy[lyr][h]):.2f} nats, {float(e.distance[lyr][h]):.1f} px"
-                    for h in range(maps.shape[0])
-                ]
-            )
-        model_view = tile_table(
-            rows,
-            row_labels=[f"layer {lyr}" for lyr in range(len(rows))],
-            captions=captions,
-            zoom=MODEL_VIEW_ZOOM,
-        )
-        single = {
-            name: self._single(image, m, shared, caption)
-            for name, m, caption in (
-                ("rollout", e.rollout, "rollout: how much of each patch reaches CLS"),
-                ("relevance", e.relevance, f"relevance for class {names[e.target]}"),
-            )
-        }
         # "Why not a 9?": the class asked about, else the runner-up.
         others = e.probs.clone()
         others[e.predicted] = -1
@@ -456,11 +393,15 @@ class Explorer:
             top=top,
             summary=summary,
             seen=seen,
-            model_view=_bar(model_view, shown, low, high, "the CLS token's attention weight"),
+            model_view=self._heads(e, image, shared, layer=None, token=0),
             query_view=query_view,
             matrix=matrix,
-            rollout=single["rollout"],
-            relevance=single["relevance"],
+            rollout=self._single(
+                image, e.rollout, shared, "rollout: how much of each patch reaches CLS"
+            ),
+            relevance=self._single(
+                image, e.relevance, shared, f"relevance for class {names[e.target]}"
+            ),
             writes=self._writes(e, e.predicted, other),
             lens=self._lens(e, e.predicted, other),
             settings={
@@ -499,29 +440,53 @@ class Explorer:
         image = x.float().cpu()
         layer = min(max(0, layer), len(e.weights) - 1)
         token = min(max(0, token), e.weights[layer].shape[-1] - 1)
-        maps = e.token_maps(layer, token)
-        shown = self._on(e, [layer], token)
-        low, high = colour_range(shown, shared)
-        query_view = tile_table(
-            [self._tiles(e, image, layer, maps, low, high)],
-            row_labels=[f"layer {layer}"],
-            captions=[
-                [
-                    f"head {n}{' OFF' if (layer, h) in e.heads_off else ''}"
-                    for h, n in enumerate(self.head_names[layer])
-                ]
-            ],
-        )
-        query_view = _bar(query_view, shown, low, high, f"attention weight of {self._name(token)}")
         matrix = None
-        if matrix_head is not None and 0 <= matrix_head < maps.shape[0]:
+        if matrix_head is not None and 0 <= matrix_head < len(e.weights[layer]):
             w = e.weights[layer][matrix_head]
             lo, hi = colour_range([w], shared)
-            cell = max(6, MATRIX_SIDE // w.shape[-1])
-            names = [self._name(t, short=True) for t in range(w.shape[-1])]
-            picture = attention_matrix(w, names, cell=cell, low=lo, high=hi)
-            matrix = _bar(picture, [w], lo, hi, "attention weight (row: query, column: key)")
+            names = [self._name(t, short=True) for t in range(len(w))]
+            cell = max(6, MATRIX_SIDE // len(w))
+            picture = drawing.attention_matrix(w, names, cell=cell, low=lo, high=hi)
+            matrix = _bar(picture, [w], shared, "attention weight (row: query, column: key)")
+        query_view = self._heads(e, image, shared, layer=layer, token=token)
         return _array(self._seen(image, token)), query_view, matrix
+
+    def _heads(
+        self, e: ImageExplanation, image: torch.Tensor, shared: bool, layer: int | None, token: int
+    ) -> np.ndarray:
+        """Where query ``token`` attends per head of ``layer`` (the query view) or, None, of
+        every layer (the model view, one row a layer), over ``image``, with one colour bar: a
+        switched-off head crossed out and left out of the colour scale."""
+        model_view = layer is None
+        layers = range(len(e.weights)) if model_view else [layer]
+        maps = {lyr: e.token_maps(lyr, token) for lyr in layers}
+        on = [m for lyr in layers for h, m in enumerate(maps[lyr]) if (lyr, h) not in e.heads_off]
+        on = on or [torch.zeros(1)]  # every head off
+        low, high = colour_range(on, shared)
+
+        def label(lyr: int, h: int) -> str:
+            name, off = f"head {self.head_names[lyr][h]}", (lyr, h) in e.heads_off
+            if not model_view:
+                return f"{name} OFF" if off else name
+            if off:
+                return f"{name} OFF\n(output zeroed)"
+            stats = f"{float(e.entropy[lyr][h]):.2f} nats, {float(e.distance[lyr][h]):.1f} px"
+            return f"{name}\n{stats}"
+
+        rows = []
+        for lyr, m in maps.items():
+            tiles = drawing.overlay(image.expand(len(m), -1, -1, -1), m, low=low, high=high)
+            tiles[[h for off, h in e.heads_off if off == lyr]] = drawing.crossed_out(image)
+            rows.append(tiles)
+        picture = drawing.tile_table(
+            rows,
+            row_labels=[f"layer {lyr}" for lyr in layers],
+            captions=[[label(lyr, h) for h in range(len(m))] for lyr, m in maps.items()],
+            zoom=MODEL_VIEW_ZOOM if model_view else 4,
+        )
+        if model_view:
+            return _bar(picture, on, shared, "the CLS token's attention weight")
+        return _bar(picture, on, shared, f"attention weight of {self._name(token)}")
 
     def _writes(self, e: ImageExplanation, a: int, b: int) -> np.ndarray:
         """Each head's direct logit attribution (layers x heads, a switched-off head
@@ -533,17 +498,16 @@ class Explorer:
         off = torch.zeros(tables[0].shape, dtype=torch.bool)
         for layer, h in e.heads_off:
             off[layer, h] = True
-        labels = {
-            "row_labels": [f"layer {layer}" for layer in range(len(e.weights))],
-            "col_labels": [f"head {h}" for h in range(tables[0].shape[1])],
-        }
-        pictures = [value_table(t, limit=limit, off=off, **labels) for t in tables]
-        picture = stack_pictures(
-            pictures, [f"to logit {names[a]}", f"to logit {names[a]} - logit {names[b]}"]
-        )
+        rows = [f"layer {layer}" for layer in range(len(e.weights))]
+        cols = [f"head {h}" for h in range(tables[0].shape[1])]
+        titles = [f"to logit {names[a]}", f"to logit {names[a]} - logit {names[b]}"]
+        pictures = [
+            drawing.value_table(t, row_labels=rows, col_labels=cols, limit=limit, off=off)
+            for t in tables
+        ]
         return _array(
-            with_colour_bar(
-                picture,
+            drawing.with_colour_bar(
+                drawing.stack_pictures(pictures, titles),
                 low=f"-{limit:.2f}",
                 high=f"+{limit:.2f}",
                 caption="direct contribution, logits (red: for, blue: against)",
@@ -570,33 +534,8 @@ class Explorer:
     def _single(image: torch.Tensor, m: torch.Tensor, shared: bool, caption: str) -> np.ndarray:
         """One (grid, grid) map over the zoomed image, with its colour bar."""
         low, high = colour_range([m], shared)
-        picture = _zoomed(overlay(image, m[None], low=low, high=high))[0]
-        return _bar(_tensor(picture), [m], low, high, caption)
-
-    def _on(self, e: ImageExplanation, layers: Sequence[int], token: int = 0) -> list[torch.Tensor]:
-        """The maps of query ``token`` of the heads of ``layers`` that are on."""
-        return [
-            m
-            for layer in layers
-            for h, m in enumerate(e.token_maps(layer, token))
-            if (layer, h) not in e.heads_off
-        ] or [torch.zeros(1)]
-
-    @staticmethod
-    def _tiles(
-        e: ImageExplanation,
-        image: torch.Tensor,
-        layer: int,
-        maps: torch.Tensor,
-        low: float | None,
-        high: float | None,
-    ) -> torch.Tensor:
-        """(heads, 3, 28, 28): ``maps`` over the image, a switched-off head crossed out."""
-        tiles = overlay(image.expand(maps.shape[0], -1, -1, -1), maps, low=low, high=high)
-        for lyr, h in e.heads_off:
-            if lyr == layer:
-                tiles[h] = crossed_out(image)[0]
-        return tiles
+        picture = _zoomed(drawing.overlay(image, m[None], low=low, high=high))[0]
+        return _bar(_tensor(picture), [m], shared, caption)
 
     def _name(self, token: int, short: bool = False) -> str:
         """The name of ``token``: CLS, the distillation token, or patch (row, column)."""
@@ -609,23 +548,21 @@ class Explorer:
     def _seen(self, image: torch.Tensor, token: int) -> torch.Tensor:
         """The 28 x 28 input, zoomed, with the patch grid and the query patch outlined."""
         grid, prefix = self.model.patch_embed.grid_size, self.model.num_prefix_tokens
-        picture = _zoomed(grey(image))[0]  # (3, 28 * ZOOM, 28 * ZOOM)
+        picture = _zoomed(drawing.grey(image))[0]  # (3, 28 * ZOOM, 28 * ZOOM)
         step = picture.shape[-1] // grid
         picture[:, ::step, :] = picture[:, :, ::step] = 0.35
         if token >= prefix:
             r, c = divmod(token - prefix, grid)
             box = picture[:, r * step : (r + 1) * step, c * step : (c + 1) * step]
             red = torch.tensor([1.0, 0.2, 0.2])[:, None, None]
-            for edge in (box[:, :2], box[:, -2:], box[:, :, :2], box[:, :, -2:]):
-                edge[:] = red
+            box[:, :2] = box[:, -2:] = box[:, :, :2] = box[:, :, -2:] = red
         return picture
 
     def token_at(self, x: float, y: float) -> int:
         """The query token of the patch under pixel (x, y) of the zoomed input picture."""
         grid = self.model.patch_embed.grid_size
         side = self.model.patch_embed.img_size * ZOOM
-        r = min(grid - 1, max(0, int(y * grid // side)))
-        c = min(grid - 1, max(0, int(x * grid // side)))
+        r, c = (min(grid - 1, max(0, int(v * grid // side))) for v in (y, x))
         return self.model.num_prefix_tokens + r * grid + c
 
     def save(self, view: View, image: torch.Tensor) -> Path:
@@ -644,23 +581,20 @@ class Explorer:
         if self.run_dir is None:
             raise ConfigError("no run dir to save into: start the page with scripts/explore.py")
         folder = Path(self.run_dir) / "views"
-        taken = {p.stem for p in folder.glob("view-*.png")} if folder.is_dir() else set()
-        stem = next(
-            f"view-{n:03d}" for n in range(1, len(taken) + 2) if f"view-{n:03d}" not in taken
-        )
-        panels = [
-            ("the input (28 x 28) and the query patch: " + view.summary, view.seen),
-            ("attention rollout", view.rollout),
-            (f"class relevance of {self.class_names[view.explanation.target]}", view.relevance),
-            ("model view: the CLS token's attention, every layer and head", view.model_view),
-            ("query view", view.query_view),
-            ("what each head writes: direct logit attribution", view.writes),
-        ]
-        if view.matrix is not None:
-            panels.append(("attention matrix", view.matrix))
-        picture = stack_pictures(
-            [torch.from_numpy(a).permute(2, 0, 1) for _, a in panels], [t for t, _ in panels]
-        )
+        taken = {p.stem for p in folder.glob("view-*.png")}
+        stem = next(s for s in map("view-{:03d}".format, itertools.count(1)) if s not in taken)
+        panels = {  # title: picture
+            "the input (28 x 28) and the query patch: " + view.summary: view.seen,
+            "attention rollout": view.rollout,
+            f"class relevance of {self.class_names[view.explanation.target]}": view.relevance,
+            "model view: the CLS token's attention, every layer and head": view.model_view,
+            "query view": view.query_view,
+            "what each head writes: direct logit attribution": view.writes,
+            "attention matrix": view.matrix,
+        }
+        shown = {t: a for t, a in panels.items() if a is not None}
+        pictures = [torch.from_numpy(a).permute(2, 0, 1) for a in shown.values()]
+        picture = drawing.stack_pictures(pictures, list(shown))
         pixels = (image.float().cpu() * self.std + self.mean)[0, 0]  # as from_pixels takes
         settings = {
             "ckpt_path": self.title,
@@ -698,10 +632,8 @@ def load_explorer(cfg: DictConfig) -> Explorer:
         head_names=original_heads(ckpt),
         title=f"{path}",
         max_megapixels=float(cfg.max_upload_megapixels),
+        head_table=read_head_table(cfg.heads_csv) if cfg.get("heads_csv") else None,
     )
-    heads_csv = cfg.get("heads_csv")
-    if heads_csv:
-        explorer.head_table = read_head_table(heads_csv)
     try:
         datamodule = checkpoint_datamodule(cfg, path, ckpt.get(RUN_INFO_KEY, {}))
         datamodule.prepare_data()
@@ -745,26 +677,29 @@ def build_page(explorer: Explorer):
     query view alone (:meth:`Explorer.query`), without the model.
     """
     gr = _gradio()
-    model = explorer.model
-    grid = model.patch_embed.grid_size
-    names = explorer.class_names
-    prefix = model.num_prefix_tokens
-    tokens = [("CLS", 0)] + [("distillation", 1)] * (prefix > 1)
-    tokens += [(f"patch {r},{c}", prefix + r * grid + c) for r in range(grid) for c in range(grid)]
+    model, names = explorer.model, explorer.class_names
+    prefix, grid = model.num_prefix_tokens, model.patch_embed.grid_size
+    tokens = [("CLS", 0), ("distillation", 1)][:prefix]
+    tokens += [(explorer._name(t), t) for t in range(prefix, prefix + grid**2)]
+    examples = [
+        (_array(_zoomed(drawing.grey(x[None]), 3)[0]), names[int(y)])
+        for x, y in zip(*(explorer.examples or ([], [])), strict=True)
+    ]
 
     def head_choices(layer: int) -> list[tuple[str, int]]:
         return [(f"head {n}", h) for h, n in enumerate(explorer.head_names[layer])]
 
-    def image(alt: str, **kwargs):
+    def image(title: str, alt: str, elem_id: str):
         # Titles as text above the pictures, not Gradio's label, which covers their top
         # left corner; no Share button (it only says "Must be on Spaces to share").
+        gr.Markdown(title)
         return gr.Image(
             show_label=False,
             interactive=False,
             format="png",
             buttons=["download", "fullscreen"],
             alt_text=alt,
-            **kwargs,
+            elem_id=elem_id,
         )
 
     with gr.Blocks(
@@ -811,14 +746,7 @@ def build_page(explorer: Explorer):
                             elem_id="test-index",
                         )
                 gallery = gr.Gallery(
-                    value=(
-                        [
-                            (_array(_zoomed(grey(x[None]), 3)[0]), names[int(y)])
-                            for x, y in zip(*explorer.examples, strict=True)
-                        ]
-                        if explorer.examples is not None
-                        else []
-                    ),
+                    value=examples,
                     columns=5,
                     height=260,
                     object_fit="contain",
@@ -829,11 +757,11 @@ def build_page(explorer: Explorer):
                     visible=explorer.examples is not None,
                 )
             with gr.Column(scale=2):
-                gr.Markdown("**What the model sees** (28 x 28): click a patch to query it")
                 seen = image(
+                    "**What the model sees** (28 x 28): click a patch to query it",
                     "the input digit as the model sees it, 28 x 28, with the patch grid and "
                     "the query patch outlined in red",
-                    elem_id="seen",
+                    "seen",
                 )
                 prediction = gr.Label(num_top_classes=TOP_K, label="prediction")
                 summary = gr.Markdown(elem_id="summary")
@@ -849,18 +777,18 @@ def build_page(explorer: Explorer):
                 )
                 with gr.Row():
                     with gr.Column(min_width=160):
-                        gr.Markdown("**Attention rollout** (Abnar and Zuidema 2020)")
                         rollout = image(
+                            "**Attention rollout** (Abnar and Zuidema 2020)",
                             "attention rollout over the digit: how much of each patch "
                             "reaches the CLS token through all layers",
-                            elem_id="rollout",
+                            "rollout",
                         )
                     with gr.Column(min_width=160):
-                        gr.Markdown("**Class relevance** (Chefer et al. 2021)")
                         relevance = image(
+                            "**Class relevance** (Chefer et al. 2021)",
                             "class relevance over the digit: which patches speak for the "
                             "explained class",
-                            elem_id="relevance",
+                            "relevance",
                         )
         gr.Markdown("**Heads on** (uncheck to switch a head off; every panel is recomputed)")
         with gr.Row():
@@ -878,18 +806,20 @@ def build_page(explorer: Explorer):
             scale = gr.Radio(
                 list(SCALES), value=SCALES[0], label="colour scale", elem_id="scale", scale=1
             )
-            gr.Markdown(SCALE_NOTE)
+            gr.Markdown(
+                "**Colours** run from the colour bar's left end (dark) to its right end (bright). "
+                "With *each map*, every map is scaled to its own minimum and maximum, so a head "
+                "that attends almost evenly looks as vivid as a sharp one; with *shared*, all maps "
+                "of a panel share one scale from 0 to the panel's largest value."
+            )
         with gr.Row():
             with gr.Column(scale=1):
-                gr.Markdown(
-                    "**Model view**: the CLS token's attention of every layer (rows) and "
-                    "head, its entropy and mean attention distance; a head switched off is "
-                    "crossed out"
-                )
                 model_view = image(
+                    "**Model view**: the CLS token's attention of every layer (rows) and head, "
+                    "its entropy and mean attention distance; a head switched off is crossed out",
                     "the model view: a grid of layers by heads, each tile the CLS token's "
                     "attention over the digit, with its entropy and mean distance",
-                    elem_id="model-view",
+                    "model-view",
                 )
             with gr.Column(scale=1):
                 with gr.Row():
@@ -899,11 +829,11 @@ def build_page(explorer: Explorer):
                         label="query view: layer",
                     )
                     token = gr.Dropdown(tokens, value=0, label="query token")
-                gr.Markdown("**Where the query token attends**, per head")
                 query_view = image(
+                    "**Where the query token attends**, per head",
                     "the query view: per head of the chosen layer, where the query token "
                     "attends over the digit",
-                    elem_id="query-view",
+                    "query-view",
                 )
                 matrix_head = gr.Dropdown(
                     [("none", -1), *head_choices(0)],
@@ -911,25 +841,22 @@ def build_page(explorer: Explorer):
                     label="full attention matrix of head",
                     elem_id="matrix-head",
                 )
-                gr.Markdown("**Attention matrix**: rows are queries, columns keys")
                 matrix = image(
+                    "**Attention matrix**: rows are queries, columns keys",
                     "the chosen head's full attention matrix, tokens CLS and patch row,column "
                     "along both sides",
-                    elem_id="matrix",
+                    "matrix",
                 )
         with gr.Row():
             with gr.Column(scale=1):
-                gr.Markdown(
-                    "**What each head writes**: its output's direct contribution to the "
-                    "predicted class's logit, and to the margin over the class chosen above "
-                    "(else the runner-up): *why this class and not that one* (direct logit "
-                    "attribution, Elhage et al. 2021; `eval.py analysis=circuits` for the "
-                    "whole test set)"
-                )
                 writes = image(
+                    "**What each head writes**: its output's direct contribution to the predicted "
+                    "class's logit, and to the margin over the class chosen above (else the "
+                    "runner-up): *why this class and not that one* (direct logit attribution, "
+                    "Elhage et al. 2021; `eval.py analysis=circuits` for the whole test set)",
                     "two tables of layers by heads: each head's direct contribution to the "
                     "predicted class's logit, and to its margin over the other class",
-                    elem_id="writes",
+                    "writes",
                 )
             with gr.Column(scale=1):
                 gr.Markdown(
@@ -952,6 +879,7 @@ def build_page(explorer: Explorer):
                 gr.Dataframe(value=rows, headers=headers, interactive=False)
 
         controls = [target, scale, layer, token, matrix_head, *switches]
+        session = [state, *controls]
         # The View's fields and the components that show them: a new panel is a field of
         # View and a line here.
         panels = {
@@ -966,10 +894,11 @@ def build_page(explorer: Explorer):
             "writes": writes,
             "lens": lens,
         }
+        shown = [state, *panels.values()]
         queried = [seen, query_view, matrix]
 
-        def choices(values: Sequence[Any]) -> dict[str, Any]:
-            """The controls' values as :meth:`Explorer.view`'s arguments."""
+        def choices(values: Sequence[Any], **changed: Any) -> dict[str, Any]:
+            """The controls' values as :meth:`Explorer.view`'s arguments, with ``changed``."""
             target_v, scale_v, layer_v, token_v, head_v, *checked = values
             return {
                 "heads_off": explorer.heads_off(checked),
@@ -978,56 +907,52 @@ def build_page(explorer: Explorer):
                 "token": int(token_v or 0),
                 "matrix_head": None if head_v is None or int(head_v) < 0 else int(head_v),
                 "shared": scale_v == SCALES[1],
+                **changed,
             }
 
-        def explained(current: dict, chosen: dict) -> dict:
-            """``current`` with the explanation of its image for ``chosen``: the last one
-            if it was for the same heads and class, else the model is run."""
+        def explained(current: dict, values: Sequence[Any], **changed: Any) -> tuple[dict, dict]:
+            """``current`` with the explanation of its image for :func:`choices`, the last one
+            if it was for the same heads and class, else the model is run; and the choices."""
+            chosen = choices(values, **changed)
             key = (tuple(chosen["heads_off"]), chosen["target"])
-            if current.get("key") == key:
-                return current
-            e = explorer.explain(current["x"], chosen["heads_off"], chosen["target"])
-            return {**current, "key": key, "explanation": e}
+            if current.get("key") != key:
+                e = explorer.explain(current["x"], chosen["heads_off"], chosen["target"])
+                current = {**current, "key": key, "explanation": e}
+            return current, chosen
 
         def viewed(current: dict, values: Sequence[Any]) -> tuple[dict, View]:
             """The session's state and its :class:`View` for the controls' values."""
-            chosen = choices(values)
-            current = explained(current, chosen)
+            current, chosen = explained(current, values)
             x, e, source = current["x"], current["explanation"], current["source"]
             return current, explorer.view(x, explanation=e, source=source, **chosen)
 
         def show(current, *values) -> list[Any]:
-            """[state, *panels] for the session's image and the controls' values."""
+            """[state, *panels] for the session's image (None: unchanged) and the controls'
+            values."""
             if current is None:
-                return [gr.skip()] * (1 + len(panels))
+                return [gr.skip()] * len(shown)
             current, v = viewed(current, values)
             return [current, *(getattr(v, name) for name in panels)]
 
-        def requery(current, *values) -> list[Any]:
+        def requery(current, *values, **changed) -> list[Any]:
             """The query view's pictures from the session's explanation."""
             if current is None:
                 return [gr.skip()] * len(queried)
-            chosen = choices(values)
-            current = explained(current, chosen)
-            kept = ("layer", "token", "matrix_head", "shared")
-            seen_v, query_v, matrix_v = explorer.query(
-                current["explanation"], current["x"], **{k: chosen[k] for k in kept}
-            )
-            return [seen_v, query_v, matrix_v]
+            current, chosen = explained(current, values, **changed)
+            kept = {k: chosen[k] for k in ("layer", "token", "matrix_head", "shared")}
+            return list(explorer.query(current["explanation"], current["x"], **kept))
 
         def new_input(read):
-            """A handler that reads a new image with ``read(value) -> (x, source)`` and
-            shows it; None or a bad input (a warning on the page) changes nothing."""
+            """A handler that shows the new session state ``read(value)`` returns; None or
+            a bad input (a warning on the page) changes nothing."""
 
             def handler(value, *values):
                 try:
-                    found = read(value)
+                    current = read(value)
                 except ValueError as e:
                     gr.Warning(str(e))
-                    found = None
-                if found is None:
-                    return [gr.skip()] * (1 + len(panels))
-                return show({"x": found[0], "source": found[1]}, *values)
+                    current = None
+                return show(current, *values)
 
             return handler
 
@@ -1039,47 +964,46 @@ def build_page(explorer: Explorer):
                 x = explorer.from_sketch(sent.get("png"))
             except ValueError as e:
                 gr.Warning(str(e))
-                return [gr.skip()] * (1 + len(panels))
+                return show(None)
             if x is not None:
                 return show({"x": x, "source": DRAWING}, *values)
             if current is not None and current["source"] == DRAWING:
                 return [None, *("" if name == "summary" else None for name in panels)]
-            return [gr.skip()] * (1 + len(panels))
+            return show(None)
 
         def read_upload(path):
-            return None if not path else (explorer.from_file(path), Path(path).name)
+            return {"x": explorer.from_file(path), "source": Path(path).name} if path else None
 
         def read_test(i):
             if i is None:
                 return None
             x, label = explorer.from_test(int(i))
-            return x, f"test image {int(i)} (label {names[label]})"
+            return {"x": x, "source": f"test image {int(i)} (label {names[label]})"}
 
         def read_example(i):
-            x, y = explorer.examples[0][i : i + 1], int(explorer.examples[1][i])
-            return x, f"example {i} (label {names[y]})"
+            if explorer.examples is None:
+                return None
+            label = names[int(explorer.examples[1][i])]
+            return {"x": explorer.examples[0][i : i + 1], "source": f"example {i} (label {label})"}
+
+        show_example = new_input(read_example)
 
         # Gradio finds the event's data by the parameter's annotation, which must be the
         # class itself (this module's annotations are strings).
         def pick_example(evt, *values):
-            return new_input(read_example)(evt.index, *values)
+            return show_example(evt.index, *values)
 
         def first_example(*values):
             # The page opens on the first example, not on empty panels.
-            if explorer.examples is None:
-                return [gr.skip()] * (1 + len(panels))
-            return new_input(read_example)(0, *values)
+            return show_example(0, *values)
 
         def click(current, evt, *values):
-            chosen = explorer.token_at(*evt.index)
-            return [chosen, *requery(current, *values[:3], chosen, *values[4:])]
+            patch = explorer.token_at(*evt.index)
+            return [patch, *requery(current, *values, token=patch)]
 
         def new_layer(current, *values):
-            heads = [("none", -1), *head_choices(int(values[2]))]
-            return [
-                gr.update(choices=heads, value=-1),
-                *requery(current, *values[:4], -1, *values[5:]),
-            ]
+            heads = gr.update(choices=[("none", -1), *head_choices(int(values[2]))], value=-1)
+            return [heads, *requery(current, *values, matrix_head=None)]
 
         def save_view(current, *values):
             if current is None:
@@ -1099,23 +1023,24 @@ def build_page(explorer: Explorer):
         upload.async_move_resource_to_block_cache = _uploads_only(
             gr, upload.async_move_resource_to_block_cache
         )
-        both = [state, *panels.values()]
         # No spinner over the panels; and a change made while the last one is computed is
         # shown after it (Gradio's default for these events drops it, leaving panels that
         # do not match the controls).
         quiet = {"show_progress": "hidden", "trigger_mode": "always_last"}
-        sketch.input(drawn, [state, *controls], both, **quiet)
-        upload.upload(new_input(read_upload), [upload, *controls], both, trigger_mode="always_last")
-        index.input(new_input(read_test), [index, *controls], both, **quiet)
-        gallery.select(pick_example, controls, both, **quiet)
-        page.load(first_example, controls, both, **quiet)
+        sketch.input(drawn, session, shown, **quiet)
+        upload.upload(
+            new_input(read_upload), [upload, *controls], shown, trigger_mode="always_last"
+        )
+        index.input(new_input(read_test), [index, *controls], shown, **quiet)
+        gallery.select(pick_example, controls, shown, **quiet)
+        page.load(first_example, controls, shown, **quiet)
         for control in (target, scale, *switches):
-            control.input(show, [state, *controls], both, **quiet)
-        seen.select(click, [state, *controls], [token, *queried], **quiet)
+            control.input(show, session, shown, **quiet)
+        seen.select(click, session, [token, *queried], **quiet)
         for control in (token, matrix_head):
-            control.input(requery, [state, *controls], queried, **quiet)
-        layer.input(new_layer, [state, *controls], [matrix_head, *queried], **quiet)
-        save.click(save_view, [state, *controls], saved)
+            control.input(requery, session, queried, **quiet)
+        layer.input(new_layer, session, [matrix_head, *queried], **quiet)
+        save.click(save_view, session, saved)
     return page
 
 
@@ -1189,7 +1114,11 @@ def launch(
     (``allowed_paths`` stays empty).
     """
     gr = _gradio()
-    theme = gr.themes.Default(font=FONTS, font_mono=MONO_FONTS)
+    # System fonts only: Gradio's default theme asks Google Fonts, which an offline machine
+    # cannot reach (the page then waits on it).
+    theme = gr.themes.Default(
+        font=["ui-sans-serif", "system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"]
+    )
     for attempt in range(LAUNCH_TRIES):
         try:
             _, url, _ = page.launch(
@@ -1198,7 +1127,6 @@ def launch(
                 prevent_thread_lock=True,
                 quiet=True,
                 share=False,
-                inbrowser=False,
                 max_file_size=int(max_upload_mb * 1024 * 1024),  # bytes
                 footer_links=[],
                 ssr_mode=False,
@@ -1250,7 +1178,7 @@ def main(cfg: DictConfig) -> None:
             "server_name=%s: the page is open to every machine that can reach this one on "
             "port %s, without a password; server_name=127.0.0.1 keeps it to this machine",
             cfg.server_name,
-            url.rstrip("/").rpartition(":")[2],
+            urlsplit(url).port,
         )
     try:
         page.block_thread()
