@@ -18,15 +18,16 @@ import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from itertools import chain
+from dataclasses import dataclass, field
+from itertools import chain, takewhile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
-from PIL import Image, ImageOps, UnidentifiedImageError
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from PIL import Image, ImageOps
 from torchvision.transforms.v2 import functional as TF
 
 from vit_mnist.analysis.attention import attention_rollout, cls_attention
@@ -44,17 +45,11 @@ log = logging.getLogger(__name__)
 MNIST_BOX = 20  # pixels: MNIST digits fit a 20 x 20 box...
 MNIST_SIZE = 28  # ...centred by centre of mass in a 28 x 28 image,
 MNIST_CENTRE = 14.0  # at this row and column index.
-# What reading one image can raise that means a bad file, not a bug: besides OSError, PIL
-# raises SyntaxError and EOFError for some malformed files (APNG frames, a JPEG's MP index)
-# and DecompressionBombError beyond twice its pixel limit; mnist_preprocess ValueError.
-UNREADABLE = (
-    OSError,
-    SyntaxError,
-    EOFError,
-    ValueError,
-    UnidentifiedImageError,
-    Image.DecompressionBombError,
-)
+# What reading one image can raise that means a bad file, not a bug: besides OSError (and
+# UnidentifiedImageError, one), PIL raises SyntaxError and EOFError for some malformed files
+# (APNG frames, a JPEG's MP index) and DecompressionBombError beyond twice its pixel limit;
+# mnist_preprocess ValueError.
+UNREADABLE = (OSError, SyntaxError, EOFError, ValueError, Image.DecompressionBombError)
 
 # What a folder or a pattern contributes: the suffixes PIL decodes in every install.
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
@@ -103,16 +98,17 @@ def mnist_preprocess(image: Image.Image, ink_threshold: float = 0.1) -> torch.Te
         # 32-bit integer or float grey: 16-bit PNGs often load as "I". Scale by the
         # smallest bit depth that holds the values.
         a = np.asarray(image, dtype=np.float32)
-        top = float(a.max())
-        a = a / (1.0 if top <= 1.0 else 255.0 if top <= 255 else 65535.0 if top <= 65535 else top)
-        a = np.clip(a, 0.0, 1.0)
+        depth = next((d for d in (1.0, 255.0, 65535.0) if a.max() <= d), float(a.max()))
+        a = np.clip(a / depth, 0.0, 1.0)
     else:
         a = np.asarray(image.convert("L"), dtype=np.float32) / 255.0
-    border = np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])
-    if np.median(border) > 0.5:
+
+    def paper(a: np.ndarray) -> float:  # the median grey level of the border pixels
+        return float(np.median(np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])))
+
+    if paper(a) > 0.5:
         a = 1.0 - a
-    paper = float(np.median(np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])))
-    a = np.clip(a - paper, 0.0, None)
+    a = np.clip(a - paper(a), 0.0, None)
     if a.max() <= 1e-6:
         raise ValueError("no digit found: the image is blank")
     a /= a.max()
@@ -127,11 +123,9 @@ def mnist_preprocess(image: Image.Image, ink_threshold: float = 0.1) -> torch.Te
     cy, cx = float((ys * digit).sum() / mass), float((xs * digit).sum() / mass)
     # MNIST's centres of mass sit on pixel (14, 14) (the test set's mean is (13.99, 14.00)).
     top, left = round(MNIST_CENTRE - cy), round(MNIST_CENTRE - cx)
-    out = torch.zeros(MNIST_SIZE, MNIST_SIZE)
-    y0, x0 = max(0, top), max(0, left)
-    y1, x1 = min(MNIST_SIZE, top + new_h), min(MNIST_SIZE, left + new_w)
-    out[y0:y1, x0:x1] = digit[y0 - top : y1 - top, x0 - left : x1 - left]
-    return out[None]
+    # A negative padding crops: the part of a lopsided digit that falls outside is cut off.
+    pads = (left, MNIST_SIZE - left - new_w, top, MNIST_SIZE - top - new_h)
+    return F.pad(digit, pads)[None]
 
 
 @dataclass
@@ -143,7 +137,7 @@ class Prediction:
     """
 
     path: Path
-    top: list[tuple[str, float]]
+    top: list[tuple[str, float]] = field(default_factory=list)
     picture: Path | None = None
     error: str | None = None
 
@@ -161,14 +155,14 @@ def file_kind(path: Path) -> str:
     except OSError as e:
         if e.errno == errno.ELOOP:
             return "a symlink loop"
-        if isinstance(e, FileNotFoundError):
-            if not path.is_symlink():
-                return "no such file or folder"
-            try:
-                return f"a dangling link (to {os.readlink(path)})"
-            except OSError:
-                return "a dangling link"
-        return f"cannot be reached ({e.strerror or e})"
+        if not isinstance(e, FileNotFoundError):
+            return f"cannot be reached ({e.strerror or e})"
+        if not path.is_symlink():
+            return "no such file or folder"
+        try:
+            return f"a dangling link (to {os.readlink(path)})"
+        except OSError:
+            return "a dangling link"
     except ValueError as e:  # a name the OS cannot take (a NUL byte)
         return f"not a usable path ({e})"
     if stat.S_ISDIR(mode):
@@ -180,16 +174,10 @@ def file_kind(path: Path) -> str:
 
 
 def _keep_images(candidates: Iterable[Path], origin: str, hint: str | None = None) -> list[Path]:
-    """The image files among ``candidates``, sorted; one log line on what was left out.
-
-    Symlink loops, dangling links and special files (FIFOs, sockets, devices) get one
-    warning line each, naming them, and are skipped.
-
-    Args:
-        candidates: files and folders (a folder's entries, or a pattern's matches).
-        origin: the ``images=`` value they came from, for the log line.
-        hint: how to reach the subfolders; None: subfolders are not mentioned.
-    """
+    """The image files among ``candidates`` (files and folders), sorted; one log line, for
+    ``origin`` (the ``images=`` value), on the other files left out and, with a ``hint`` on
+    how to reach them, the subfolders. Loops, dangling links and special files get one
+    warning line each."""
     images: list[Path] = []
     skipped: Counter[str] = Counter()
     folders = 0
@@ -208,9 +196,8 @@ def _keep_images(candidates: Iterable[Path], origin: str, hint: str | None = Non
         else:
             skipped[path.suffix.lower() or "no suffix"] += 1
     parts = []
-    if skipped:
-        kinds = ", ".join(k if n == 1 else f"{k} x{n}" for k, n in sorted(skipped.items()))
-        n = sum(skipped.values())
+    if n := sum(skipped.values()):
+        kinds = ", ".join(k if c == 1 else f"{k} x{c}" for k, c in sorted(skipped.items()))
         parts.append(f"{n} file{'s' * (n != 1)} not PNG/JPEG/BMP/WebP ({kinds})")
     if folders and hint is not None:
         parts.append(f"{folders} subfolder{'s' * (folders != 1)} ({hint})")
@@ -219,42 +206,32 @@ def _keep_images(candidates: Iterable[Path], origin: str, hint: str | None = Non
     return images
 
 
-def _pattern_root(pattern: str) -> Path:
-    """The folder a pattern starts in: its leading parts that hold no glob character."""
-    parts = Path(pattern).parts
-    first = next((i for i, part in enumerate(parts) if GLOB_CHARS & set(part)), len(parts))
-    return Path(*parts[:first]) if first else Path(".")
-
-
-def _unsafe_folders(pattern: str) -> list[Path]:
+def _unsafe_folders(pattern: str) -> tuple[str, ...]:
     """For a ``**`` pattern: the folders under its root that :func:`glob.glob` would walk
     into without a word, each named in one warning line.
 
     A subfolder that cannot be listed is skipped by glob in silence; a link to a folder
     that holds it (``loop -> ..``) is followed by glob again and again, some 40 levels
-    deep. Returns the loops, whose matches the caller drops.
+    deep. Returns the loops, each with a trailing separator: the caller drops the matches
+    that start with one.
     """
-    loops: list[Path] = []
+    loops: list[str] = []
 
     def unlisted(error: OSError) -> None:
-        log.warning(
-            "%s: a subfolder that cannot be listed (%s); skipped",
-            printable_path(error.filename),
-            error.strerror or error,
-        )
+        shown = printable_path(error.filename), error.strerror or error
+        log.warning("%s: a subfolder that cannot be listed (%s); skipped", *shown)
 
-    for folder, subfolders, files in os.walk(_pattern_root(pattern), onerror=unlisted):
-        here = os.path.realpath(folder)
-        for name in subfolders + files:
-            path = Path(folder, name)
-            if not path.is_symlink():
-                continue
+    # The root: the pattern's leading parts that hold no glob character.
+    root = Path(*takewhile(lambda part: not GLOB_CHARS & set(part), Path(pattern).parts))
+    for folder, subfolders, _ in os.walk(root, onerror=unlisted):
+        here = os.path.realpath(folder) + os.sep
+        for path in (Path(folder, name) for name in subfolders):  # links to folders too
             target = os.path.realpath(path)
-            if file_kind(path) == "folder" and (here + os.sep).startswith(target + os.sep):
+            if path.is_symlink() and here.startswith(target + os.sep):
                 shown = printable_path(path), printable_path(target)
                 log.warning("%s: a symlink loop (to %s, which holds it); skipped", *shown)
-                loops.append(path)
-    return loops
+                loops.append(f"{path}{os.sep}")
+    return tuple(loops)
 
 
 def collect_images(
@@ -264,24 +241,22 @@ def collect_images(
 
     Each value is read as the first of these that applies:
 
-    * an existing file: taken as is, whatever its suffix (one that is not an image is
-      then reported by name when it fails to decode);
-    * an existing folder: its files ending in .png, .jpg, .jpeg, .bmp or .webp (any
-      case), sorted by name. Not recursive: subfolders are not searched (a pattern
-      with ``**`` does that). Other files, hidden files and subfolders are skipped, with
-      one log line per folder saying how many and which suffixes;
-    * a pattern (it holds ``*``, ``?`` or ``[``), expanded by :func:`glob.glob` with
-      ``**`` matching any depth of folders: the image files it matches, sorted, then the
-      images directly inside the folders it matches. A matched file that is not an
-      image is skipped (logged as for a folder): the pattern chose it, not the user.
+    * an existing file: taken as is, whatever its suffix (one that is not an image then
+      fails by name when decoded);
+    * an existing folder: its files ending in .png, .jpg, .jpeg, .bmp or .webp (any case),
+      sorted by name; not its subfolders (a ``**`` pattern searches those). Other files,
+      hidden files and subfolders are skipped, with one log line per folder saying how
+      many and which suffixes;
+    * a pattern (it holds ``*``, ``?`` or ``[``), expanded by :func:`glob.glob` with ``**``
+      matching any depth of folders: the image files it matches, sorted, then the images
+      directly inside the folders it matches. A matched file that is not an image is
+      skipped (logged as for a folder): the pattern chose it, not the user.
 
     Nothing on the way stops the walk: symlink loops, dangling links, special files
-    (FIFOs, sockets, devices) and subfolders that cannot be listed are named in one
-    warning line each and skipped (:func:`file_kind`); the rest is collected.
-
-    A leading ``~`` is the home folder; relative paths are taken from the current
-    directory. A file reached twice (``a.png`` and ``./a.png``, or by a folder and a
-    pattern) is kept once, at its first place.
+    (FIFOs, sockets, devices) and subfolders that cannot be listed get one warning line
+    each and are skipped (:func:`file_kind`). A leading ``~`` is the home folder; relative
+    paths start at the current directory. A file reached twice (``a.png`` and ``./a.png``,
+    or by a folder and a pattern) is kept once, at its first place.
 
     Args:
         specs: one value or a list of them (a Hydra ``ListConfig`` too); non-strings
@@ -289,19 +264,18 @@ def collect_images(
 
     Returns:
         ``(paths, problems)``: the files in order; and ``(value, reason)`` for each value
-        that gave no image: a path that does not exist, is a loop, a dangling link or a
-        special file, a pattern that matches nothing, a folder or pattern with no image
-        among its files, a folder that cannot be listed. Nothing is raised for such
-        values: the caller decides.
+        that gave no image (missing, a loop, a dangling link or a special file; a pattern
+        matching nothing; a folder or pattern with no image among its files; a folder that
+        cannot be listed). Nothing is raised for them: the caller decides.
     """
     if isinstance(specs, (str, Path)):
         specs = [specs]
-    paths: list[Path] = []
-    seen: set[str] = set()
+    unique: dict[str, Path] = {}  # by real path, the first path that reached it
     problems: list[tuple[str, str]] = []
     for spec in map(str, specs):
         target = Path(os.path.expanduser(spec))
         kind = file_kind(target)
+        found = []
         if kind == "file":
             found = [target]
         elif kind == "folder":
@@ -310,44 +284,32 @@ def collect_images(
             except OSError as e:  # no permission to list it, say: that value fails alone
                 problems.append((spec, f"the folder cannot be listed ({e.strerror or e})"))
                 continue
-            found = _keep_images(
-                entries,
-                spec,
-                f"not searched; images='{(target / '**' / '*.png').as_posix()}' would",
-            )
-            if not found:
+            hint = f"not searched; images='{(target / '**' / '*.png').as_posix()}' would"
+            if not (found := _keep_images(entries, spec, hint)):
                 problems.append((spec, "the folder holds no PNG/JPEG/BMP/WebP file"))
         elif GLOB_CHARS & set(spec):
-            loops = _unsafe_folders(str(target)) if "**" in spec else []
-            inside = tuple(f"{loop}{os.sep}" for loop in loops)
-            matches = [
-                Path(m)
-                for m in sorted(glob.glob(str(target), recursive=True))
-                if not m.startswith(inside) or not inside
-            ]
-            found = _keep_images((m for m in matches if file_kind(m) != "folder"), spec)
+            loops = _unsafe_folders(str(target)) if "**" in spec else ()
+            matches = sorted(glob.glob(str(target), recursive=True))
+            matches = [Path(m) for m in matches if not m.startswith(loops)]
+            found = _keep_images(matches, spec)  # the matched folders are not mentioned
             for folder in (m for m in matches if file_kind(m) == "folder"):
                 # A matched folder that cannot be listed adds nothing; the pattern's
                 # other matches still count.
                 try:
                     found += _keep_images(list(folder.iterdir()), str(folder))
                 except OSError as e:
-                    shown = printable_path(folder)
-                    log.warning("%s: cannot be listed (%s)", shown, e.strerror or e)
+                    shown = printable_path(folder), e.strerror or e
+                    log.warning("%s: cannot be listed (%s)", *shown)
             if not matches:
                 problems.append((spec, "no file matches this pattern"))
             elif not found:
                 problems.append((spec, "the pattern matches no PNG/JPEG/BMP/WebP file"))
         else:
             problems.append((spec, kind))
-            found = []
         for path in found:
             # realpath, not Path.resolve: it does not raise on a symlink loop.
-            key = os.path.realpath(path)
-            if key not in seen:
-                seen.add(key)
-                paths.append(path)
-    return paths, problems
+            unique.setdefault(os.path.realpath(path), path)
+    return list(unique.values()), problems
 
 
 def output_stems(paths: Sequence[Path]) -> list[str]:
@@ -379,7 +341,7 @@ def load_model(ckpt_path: str | Path) -> tuple[ViTClassifier, dict[str, Any]]:
     """The model of a checkpoint, on the CPU in eval mode, and its stored data config.
 
     Raises:
-        CheckpointError: see :func:`vit_mnist.evaluate.read_checkpoint`.
+        CheckpointError: see :func:`vit_mnist.checkpointing.read_checkpoint`.
     """
     ckpt = read_checkpoint(ckpt_path)
     module = ViTClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True)
@@ -430,7 +392,6 @@ def iter_predictions(
     paths = [Path(p) for p in paths]
     stems = list(stems) if stems is not None else output_stems(paths)
     limit = len(paths) if pictures is None else pictures
-    done = 0
     for start in range(0, len(paths), batch_size):
         end = start + batch_size
         batch = _predict_batch(
@@ -444,9 +405,8 @@ def iter_predictions(
             class_names=class_names,
             top_k=top_k,
         )
-        done += len(batch)
         if len(paths) > batch_size:
-            log.info("predicted %d of %d images", done, len(paths))
+            log.info("predicted %d of %d images", min(end, len(paths)), len(paths))
         yield batch
 
 
@@ -463,12 +423,9 @@ def _read_image(path: Path) -> torch.Tensor:
     """:func:`mnist_preprocess` of the file at ``path``; a warning line when it is animated."""
     with Image.open(path) as image:
         image.load()
-        frames = getattr(image, "n_frames", 1)
-        if frames > 1:
-            shown = printable_path(path)
-            log.warning(
-                "%s: an animation of %d frames; its first frame is predicted", shown, frames
-            )
+        if (frames := getattr(image, "n_frames", 1)) > 1:
+            shown = printable_path(path), frames
+            log.warning("%s: an animation of %d frames; its first frame is predicted", *shown)
         return mnist_preprocess(image)
 
 
@@ -487,67 +444,55 @@ def _predict_batch(
 ) -> list[Prediction]:
     """:func:`iter_predictions` on one batch; the first ``draw`` paths get pictures named
     by ``stems``."""
-    results: list[Prediction] = []
-    inputs: list[torch.Tensor] = []
-    drawn: list[int] = []  # indices into inputs of the images that get pictures
-    for index, path in enumerate(paths):
+    results = [Prediction(path=path) for path in paths]
+    inputs, good = [], []  # the images read, and their indices in results
+    for i, result in enumerate(results):
         try:
-            inputs.append(_read_image(path))
+            inputs.append(_read_image(result.path))
+            good.append(i)
         except UNREADABLE as e:
-            results.append(Prediction(path=path, top=[], error=f"{type(e).__name__}: {e}"))
-            continue
-        if index < draw:
-            drawn.append(len(inputs) - 1)
-        results.append(Prediction(path=path, top=[]))
-    good = [r for r in results if r.error is None]
+            result.error = f"{type(e).__name__}: {e}"
     if not good:
         return results
     x = torch.stack(inputs)  # (N, 1, 28, 28) in [0, 1]
-    model = module.net
-    probs = model((x - mean) / std).float().softmax(dim=1)  # (N, classes)
+    z = (x - mean) / std
+    probs = module.net(z).float().softmax(dim=1)  # (N, classes)
     names = list(class_names or map(str, range(probs.shape[1])))
     p, c = probs.topk(min(top_k, probs.shape[1]), dim=1)
-    for result, classes, chances in zip(good, c.tolist(), p.tolist(), strict=True):
-        result.top = [(names[j], q) for j, q in zip(classes, chances, strict=True)]
-    if drawn:
-        stem_of = {id(r): stem for r, stem in zip(results, stems, strict=True)}
-        pictured = [good[i] for i in drawn]
-        classes = probs.argmax(dim=1)[drawn]
-        stems_drawn = [stem_of[id(r)] for r in pictured]
-        _draw(model, x[drawn], classes, pictured, stems_drawn, out_dir, mean=mean, std=std)
+    for i, classes, chances in zip(good, c.tolist(), p.tolist(), strict=True):
+        results[i].top = [(names[j], q) for j, q in zip(classes, chances, strict=True)]
+    if m := sum(i < draw for i in good):  # the first m images read get pictures
+        pictured = [(results[i], stems[i]) for i in good[:m]]
+        _draw(module.net, x[:m], z[:m], probs.argmax(dim=1)[:m], pictured, out_dir)
     return results
 
 
 def _draw(
     model: torch.nn.Module,
     x: torch.Tensor,
+    z: torch.Tensor,
     classes: torch.Tensor,
-    results: Sequence[Prediction],
-    stems: Sequence[str],
+    pictured: Sequence[tuple[Prediction, str]],
     out_dir: Path,
-    *,
-    mean: float,
-    std: float,
 ) -> None:
     """Write the two pictures of each image and set its result's ``picture``.
 
     Args:
-        x: (P, 1, 28, 28) float32 in [0, 1], the model's inputs before normalisation.
+        x: (P, 1, 28, 28) float32 in [0, 1], the model's inputs; ``z`` normalised.
         classes: (P,) int64, the predicted classes, whose relevance is drawn.
-        results: the P predictions, ``top`` filled.
-        stems: the P file-name stems.
+        pictured: the P predictions, ``top`` filled, with their file-name stems.
 
     The maps of all P images are computed and coloured together. A model without attention
     (the convnet teacher) gets the input picture alone.
     """
     inputs = (grey(x) * 255).round().to(torch.uint8)  # (P, 3, 28, 28)
+    for picture, (_, stem) in zip(inputs, pictured, strict=True):
+        save_png(picture, out_dir / f"{stem}_28x28.png")
     if not isinstance(model, VisionTransformer):
-        for i, stem in enumerate(stems):
-            save_png(inputs[i], out_dir / f"{stem}_28x28.png")
         return
-    _, weights = model.forward_with_attention((x - mean) / std)
+    _, weights = model.forward_with_attention(z)
     weights = [w.float().cpu() for w in weights]
-    relevance, _ = class_relevance(model, (x - mean) / std, classes)  # (P, g, g)
+    relevance, _ = class_relevance(model, z, classes)  # (P, g, g)
     grid = model.patch_embed.grid_size
     last = cls_attention(weights[-1], grid)  # (P, heads, g, g)
     rollout = cls_attention(attention_rollout(weights), grid)  # (P, g, g)
@@ -562,7 +507,7 @@ def _draw(
         dim=1,
     )  # (P, heads + 3, 3, 28, 28)
     col_labels = ["input", *(f"head {h}" for h in range(heads)), "rollout"]
-    for i, (result, stem) in enumerate(zip(results, stems, strict=True)):
+    for i, (result, stem) in enumerate(pictured):
         best, confidence = result.top[0]
         name = printable_path(result.path.name)
         picture = labelled_grid(
@@ -571,7 +516,6 @@ def _draw(
             col_labels=[*col_labels, f"relevance: {best}"],
             title=f"{name}: {best} ({100 * confidence:.1f}%), last layer",
         )
-        save_png(inputs[i], out_dir / f"{stem}_28x28.png")
         result.picture = out_dir / f"{stem}_attention.png"
         save_png(picture, result.picture)
 
@@ -589,12 +533,12 @@ def csv_rows(results: Iterable[Prediction]) -> list[dict[str, str]]:
     """
     rows = []
     for r in results:
-        best = r.top[0] if r.top else ("", None)
+        best, p = r.top[0] if r.top else ("", None)
         values = [
             printable_path(r.path),
-            best[0],
-            "" if best[1] is None else f"{best[1]:.4f}",
-            " ".join(f"{name}:{p:.3f}" for name, p in r.top),
+            best,
+            "" if p is None else f"{p:.4f}",
+            " ".join(f"{name}:{q:.3f}" for name, q in r.top),
             r.error or "",
             r.picture.name if r.picture else "",
         ]
@@ -613,51 +557,42 @@ def read_done_rows(path: str | Path) -> dict[str, dict[str, str]]:
         ConfigError: the file's header is not :data:`CSV_COLUMNS` (not a file of this
             program).
     """
-    path = Path(path)
-    data = path.read_bytes()
+    data = Path(path).read_bytes()
     if data and not data.endswith(b"\n"):
-        keep = data.rfind(b"\n") + 1
-        with path.open("r+b") as f:
-            f.truncate(keep)
+        data = data[: data.rfind(b"\n") + 1]
+        os.truncate(path, len(data))
         log.warning("%s: its last line was cut off; that image is predicted again", path)
-        data = data[:keep]
     reader = csv.DictReader(io.StringIO(data.decode("utf-8", "replace")))
     if data and tuple(reader.fieldnames or ()) != CSV_COLUMNS:
         raise ConfigError(
             f"{path} does not have the columns of a predictions.csv ({','.join(CSV_COLUMNS)}); "
             "choose another run dir (hydra.run.dir=PATH) or move the file away"
         )
-    return {
-        row["path"]: row
-        for row in reader
-        if None not in row and all(v is not None for v in row.values())
-    }
+    # A row with too many fields has a None key, one with too few None values.
+    return {row["path"]: row for row in reader if None not in row and None not in row.values()}
 
 
 class _Interrupts:
-    """Ctrl-C and SIGTERM as :class:`KeyboardInterrupt`, held back while :meth:`held`, so a
-    batch's rows are written and counted together or not at all."""
+    """Ctrl-C and SIGTERM as :class:`KeyboardInterrupt` while entered, held back while
+    :meth:`held`, so a batch's rows are written and counted together or not at all."""
 
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._holding = False
-        self._pending = False
+    signum: int | None = None  # the last signal taken
+    _holding = False
 
-    def handler(self, signum: int, frame: Any) -> None:
+    def _handler(self, signum: int, frame: Any) -> None:
         self.signum = signum
-        if self._holding:
-            self._pending = True
-            return
-        raise KeyboardInterrupt
+        if not self._holding:
+            raise KeyboardInterrupt
 
-    @contextmanager
-    def installed(self) -> Iterator[_Interrupts]:
-        previous = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield self
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
+    def __enter__(self) -> _Interrupts:
+        self._previous = {
+            s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)
+        }
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -666,14 +601,8 @@ class _Interrupts:
             yield
         finally:
             self._holding = False
-        if self._pending:
-            self._pending = False
+        if self.signum is not None:  # taken while held
             raise KeyboardInterrupt
-
-
-def _pictures_limit(value: Any, count: int) -> int:
-    """``pictures=all`` or a number (the settings schema checks which) as a number."""
-    return count if value == "all" else int(value)
 
 
 @exit_on_user_error
@@ -713,18 +642,16 @@ def main(cfg: DictConfig) -> list[Prediction]:
             "(or images=my_digits/ for a folder)"
         )
     check_settings(cfg, PredictSettings)
-    specs = list(cfg.images) if isinstance(cfg.images, ListConfig) else [cfg.images]
     out_dir = Path(cfg.paths.output_dir)
     csv_path = out_dir / CSV_NAME
-    resume = bool(cfg.resume)
-    if csv_path.exists() and not resume:
+    if csv_path.exists() and not cfg.resume:
         raise ConfigError(
             f"{csv_path} exists already: add resume=true to predict only the files not in it, "
             "or leave hydra.run.dir out for a new run dir"
         )
     # The checkpoint first: a wrong ckpt_path is reported even when images are wrong too.
     module, data = load_model(resolve_ckpt_path(cfg))
-    paths, problems = collect_images(specs)
+    paths, problems = collect_images(cfg.images)
     if not paths:
         found_nothing = "; ".join(f"{spec}: {reason}" for spec, reason in problems)
         raise ConfigError(
@@ -733,46 +660,37 @@ def main(cfg: DictConfig) -> list[Prediction]:
             "images=[a.png,scans/7.jpg] or \"images='scans/**/*.png'\""
         )
     done = read_done_rows(csv_path) if csv_path.exists() else {}
-    if resume:
-        log.info(
-            "resume=true: %d of the %d images are in %s already",
-            sum(printable_path(p) in done for p in paths),
-            len(paths),
-            csv_path,
-        )
-    stems = output_stems(paths)
     todo = [i for i, path in enumerate(paths) if printable_path(path) not in done]
-    limit = _pictures_limit(cfg.pictures, len(paths))
+    if cfg.resume:
+        shown = len(paths) - len(todo), len(paths), csv_path
+        log.info("resume=true: %d of the %d images are in %s already", *shown)
+    stems = output_stems(paths)
+    limit = len(paths) if cfg.pictures == "all" else int(cfg.pictures)
+    batches = iter_predictions(
+        module,
+        [paths[i] for i in todo],
+        out_dir,
+        stems=[stems[i] for i in todo],
+        pictures=sum(i < limit for i in todo),
+        mean=data.get("mean", 0.1307),
+        std=data.get("std", 0.3081),
+        batch_size=BATCH_SIZE,
+    )
+    unfound = [
+        Prediction(path=Path(spec), error=reason)
+        for spec, reason in problems
+        if printable_path(Path(spec)) not in done
+    ]
     results: list[Prediction] = []
-    failed_before = sum(bool(row["error"]) for row in done.values())
     interrupts = _Interrupts()
     try:
-        with interrupts.installed():
-            batches = iter_predictions(
-                module,
-                [paths[i] for i in todo],
-                out_dir,
-                stems=[stems[i] for i in todo],
-                pictures=sum(i < limit for i in todo),
-                mean=data.get("mean", 0.1307),
-                std=data.get("std", 0.3081),
-                batch_size=BATCH_SIZE,
-            )
-            for batch in batches:
+        with interrupts:
+            for batch in chain(batches, [unfound] if unfound else []):
                 with interrupts.held():
                     append_csv_rows(csv_path, csv_rows(batch), CSV_COLUMNS)
                     results += batch
-            unfound = [
-                Prediction(path=Path(spec), top=[], error=reason)
-                for spec, reason in problems
-                if printable_path(Path(spec)) not in done
-            ]
-            with interrupts.held():
-                if unfound:
-                    append_csv_rows(csv_path, csv_rows(unfound), CSV_COLUMNS)
-                results += unfound
     except KeyboardInterrupt:
-        kept = sum(printable_path(p) in done for p in paths) + len(results)
+        kept = len(paths) - len(todo) + len(results)
         what = "SIGTERM" if interrupts.signum == signal.SIGTERM else "Ctrl-C"
         print(
             f"\nInterrupted ({what}): {kept} of {len(paths)} images are in {csv_path}; "
@@ -781,28 +699,25 @@ def main(cfg: DictConfig) -> list[Prediction]:
             file=sys.stderr,
         )
         raise SystemExit(128 + (interrupts.signum or signal.SIGINT)) from None
-    failed = [r for r in results if r.error]
-    total = len(done) + len(results)
+    # Every row of the CSV, the earlier run's and this one's, for the counts.
+    rows = [*done.values(), *csv_rows(results)]
+    n_failed = sum(bool(row["error"]) for row in rows)
     for r in results:
         if r.error:
             print(f"{printable_path(r.path)}: cannot be read ({r.error})")
-        elif total <= LIST_AT_MOST:
+        elif len(rows) <= LIST_AT_MOST:
             top = "  ".join(f"{name} ({100 * p:.1f}%)" for name, p in r.top)
             picture = f"   -> {printable_path(r.picture)}" if r.picture else ""
             print(f"{printable_path(r.path)}: {top}{picture}")
-    if total > LIST_AT_MOST:
-        counts = Counter(r.top[0][0] for r in results if r.top)
-        counts.update(row["predicted"] for row in done.values() if row["predicted"])
+    if len(rows) > LIST_AT_MOST:
+        counts = Counter(row["predicted"] for row in rows if row["predicted"])
         classes = ", ".join(f"{name}: {n}" for name, n in sorted(counts.items()))
-        drawn = sum(r.picture is not None for r in results)
-        drawn += sum(bool(row["attention"]) for row in done.values())
+        drawn = sum(bool(row["attention"]) for row in rows)
         print(
-            f"{total - len(failed) - failed_before} of {total} images predicted "
-            f"(classes {classes}"
+            f"{len(rows) - n_failed} of {len(rows)} images predicted (classes {classes}"
             + (f"; {len(done)} of them by the earlier run" if done else "")
             + f"); attention pictures of {drawn} in {out_dir}"
         )
-    n_failed = len(failed) + failed_before
     print(f"predictions: {csv_path}" + (f" ({n_failed} failed)" if n_failed else ""))
     if n_failed:
         raise SystemExit(1)
