@@ -10,7 +10,7 @@ model and any batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -68,11 +68,9 @@ def attention_entropy(weights: torch.Tensor) -> torch.Tensor:
 
 @lru_cache(maxsize=16)
 def _patch_distances(grid_size: int, patch_size: int) -> torch.Tensor:
-    ij = torch.stack(
-        torch.meshgrid(torch.arange(grid_size), torch.arange(grid_size), indexing="ij"), dim=-1
-    )
-    centres = ij.reshape(-1, 2).float() * patch_size  # pixels; the +p/2 offset cancels
-    return torch.cdist(centres, centres)  # (N, N)
+    cells = torch.arange(grid_size)
+    centres = torch.cartesian_prod(cells, cells).float() * patch_size  # the +p/2 cancels
+    return torch.cdist(centres, centres)  # (N, N) pixels
 
 
 def mean_attention_distance(
@@ -121,6 +119,19 @@ def cls_attention(weights: torch.Tensor, grid_size: int, token: int = 0) -> torc
 # ----------------------------------------------------------------------------- report
 
 
+def attention_batches(
+    model: VisionTransformer, images: torch.Tensor, batch_size: int
+) -> Iterator[tuple[slice, list[torch.Tensor]]]:
+    """``(rows, weights)`` for each batch ``images[rows]`` of ``batch_size``: the attention
+    weights of :meth:`VisionTransformer.forward_with_attention`, the model in eval mode (its
+    mode restored after the last batch) and on its parameters' device."""
+    device = next(model.parameters()).device
+    with evaluating(model):
+        for start in range(0, len(images), batch_size):
+            rows = slice(start, start + batch_size)
+            yield rows, model.forward_with_attention(images[rows].to(device))[1]
+
+
 @torch.no_grad()
 def head_statistics(
     model: VisionTransformer, images: torch.Tensor, batch_size: int = 250
@@ -133,22 +144,17 @@ def head_statistics(
         Two (depth, heads) float32 tensors; ``heads`` is the largest head count of a block
         (a block with fewer heads, as in a pruned model, has zeros in the columns it lacks).
     """
-    device = next(model.parameters()).device
     grid, patch = model.patch_embed.grid_size, model.patch_embed.patch_size
     heads = max(block.attn.num_heads for block in model.blocks)
     entropy = torch.zeros(model.depth, heads)
     distance = torch.zeros(model.depth, heads)
-    with evaluating(model):
-        for start in range(0, len(images), batch_size):
-            chunk = images[start : start + batch_size].to(device)
-            _, weights = model.forward_with_attention(chunk)
-            share = len(chunk) / len(images)
-            for layer, w in enumerate(weights):
-                h = w.shape[1]
-                entropy[layer, :h] += share * attention_entropy(w).cpu()
-                distance[layer, :h] += (
-                    share * mean_attention_distance(w, grid_size=grid, patch_size=patch).cpu()
-                )
+    for _, weights in attention_batches(model, images, batch_size):
+        for layer, w in enumerate(weights):
+            h, share = w.shape[1], len(w) / len(images)
+            entropy[layer, :h] += share * attention_entropy(w).cpu()
+            distance[layer, :h] += (
+                share * mean_attention_distance(w, grid_size=grid, patch_size=patch).cpu()
+            )
     return entropy, distance
 
 
@@ -223,11 +229,10 @@ def attention_report(
             "torch.inference_mode, or pass relevance=False"
         )
     with evaluating(model):
-        device = next(model.parameters()).device
-        logits, weights = model.forward_with_attention(images.to(device))
+        logits, weights = model.forward_with_attention(images.to(next(model.parameters()).device))
     weights = [w.float().cpu() for w in weights]
     preds = logits.argmax(dim=-1).cpu().tolist()
-    grid_size, patch_size = model.patch_embed.grid_size, model.patch_embed.patch_size
+    grid, patch = model.patch_embed.grid_size, model.patch_embed.patch_size
     images = images.float().cpu()
     n = images.shape[0]
 
@@ -243,15 +248,13 @@ def attention_report(
     report = AttentionReport(weights=weights, logits=logits.float().cpu())
     for layer, w in enumerate(weights):
         report.entropy.append(attention_entropy(w))
-        report.distance.append(
-            mean_attention_distance(w, grid_size=grid_size, patch_size=patch_size)
-        )
+        report.distance.append(mean_attention_distance(w, grid_size=grid, patch_size=patch))
         if not pictures:
             continue
         heads = w.shape[1]
         # The CLS token's rows, then (a distilled model) the distillation token's.
-        prefix = w.shape[-1] - grid_size**2
-        maps = torch.cat([cls_attention(w, grid_size, t) for t in range(prefix)], dim=1)
+        prefix = w.shape[-1] - grid**2
+        maps = torch.cat([cls_attention(w, grid, t) for t in range(prefix)], dim=1)
         tiles = rearrange(
             overlay(images.repeat_interleave(prefix * heads, 0), maps.flatten(0, 1)),
             "(n h) c y x -> h n c y x",
@@ -259,15 +262,11 @@ def attention_report(
         )
         row_labels = [f"{name}head {h}" for name in ("", "dist. ")[:prefix] for h in range(heads)]
         whose = "CLS" if prefix == 1 else "CLS and distillation token"
-        report.layer_grids.append(
-            labelled_grid(
-                tiles,
-                row_labels=row_labels,
-                col_labels=col_labels,
-                title=f"layer {layer}: {whose} attention per head (true>predicted)",
-                zoom=zoom,
-            )
+        title = f"layer {layer}: {whose} attention per head (true>predicted)"
+        grid_picture = labelled_grid(
+            tiles, row_labels=row_labels, col_labels=col_labels, title=title, zoom=zoom
         )
+        report.layer_grids.append(grid_picture)
         report.matrices.append(
             [(colorize(w[0, h][None])[0] * 255).round().to(torch.uint8) for h in range(heads)]
         )
@@ -276,7 +275,7 @@ def attention_report(
         report.relevance, _ = class_relevance(model, images, logits.argmax(dim=-1).cpu())
     if not pictures:
         return report
-    rollout_maps = cls_attention(attention_rollout(weights), grid_size)  # (N, g, g)
+    rollout_maps = cls_attention(attention_rollout(weights), grid)  # (N, g, g)
     rows, row_labels = [overlay(images, rollout_maps)], ["rollout"]
     title = "attention rollout (Abnar and Zuidema 2020), true>predicted"
     if relevance:

@@ -86,6 +86,26 @@ def head_outputs(
     return out, weights
 
 
+def head_counts(model: VisionTransformer) -> list[int]:
+    """Heads per block of ``model`` (a pruned block has fewer)."""
+    return [block.attn.num_heads for block in model.blocks]
+
+
+def check_heads(
+    model: VisionTransformer, heads: Iterable[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """``heads``, (layer, head) pairs with heads numbered within their block, as a list.
+
+    Raises:
+        ValueError: a (layer, head) that ``model`` does not have.
+    """
+    counts, heads = head_counts(model), list(heads)
+    for layer, head in heads:
+        if not (0 <= layer < len(counts) and 0 <= head < counts[layer]):
+            raise ValueError(f"no head {layer}:{head} in a model with heads {counts}")
+    return heads
+
+
 def head_mask(model: VisionTransformer, heads_off: Iterable[tuple[int, int]]) -> torch.Tensor:
     """The head mask of :func:`run_components` that switches off ``heads_off``: a (depth,
     max heads of a block) float32 tensor of 1s with 0 at each (layer, head) off.
@@ -94,22 +114,10 @@ def head_mask(model: VisionTransformer, heads_off: Iterable[tuple[int, int]]) ->
         ValueError: a (layer, head) that ``model`` does not have (heads numbered within
             their block, as in ``model``: a pruned block numbers its heads 0, 1, ...).
     """
-    counts = [block.attn.num_heads for block in model.blocks]
-    mask = torch.ones(len(counts), max(counts))
-    for layer, head in heads_off:
-        if not (0 <= layer < len(counts) and 0 <= head < counts[layer]):
-            raise ValueError(f"no head {layer}:{head} in a model with heads {counts}")
+    mask = torch.ones(model.depth, max(head_counts(model)))
+    for layer, head in check_heads(model, heads_off):
         mask[layer, head] = 0.0
     return mask
-
-
-def check_head_mask(model: VisionTransformer, mask: torch.Tensor | None) -> None:
-    """Raise ValueError unless ``mask`` is None, (depth, max heads) or (B, depth, max heads)."""
-    shape = (model.depth, max(b.attn.num_heads for b in model.blocks))
-    if mask is not None and (mask.ndim not in (2, 3) or tuple(mask.shape[-2:]) != shape):
-        raise ValueError(
-            f"head_mask of shape {tuple(mask.shape)}; this model needs {shape} or (batch, *{shape})"
-        )
 
 
 def run_components(
@@ -135,12 +143,16 @@ def run_components(
     Raises:
         ValueError: ``head_mask`` of another shape.
     """
-    check_head_mask(model, head_mask)
+    shape = (model.depth, max(head_counts(model)))
+    if head_mask is not None and (head_mask.ndim not in (2, 3) or head_mask.shape[-2:] != shape):
+        raise ValueError(
+            f"head_mask of shape {tuple(head_mask.shape)}; this model needs {shape} or "
+            f"(batch, *{shape})"
+        )
     x = model.embed(images)
     c = Components(x, [], [], [], [], [], [], [], torch.empty(0))
     for layer, block in enumerate(model.blocks):
-        h = block.attn.num_heads
-        gate = None if head_mask is None else head_mask[..., layer, :h]  # (h,) or (B, h)
+        gate = None if head_mask is None else head_mask[..., layer, : block.attn.num_heads]
         heads, weights = head_outputs(block, x, gate)
         mid = x + heads.sum(1) + block.attn.proj.bias  # eq. 2
         mlp = block.mlp(block.norm2(mid))
@@ -210,10 +222,8 @@ def head_grid(model: VisionTransformer, values: torch.Tensor) -> torch.Tensor:
     Returns:
         (..., depth, max heads) float32.
     """
-    counts = [b.attn.num_heads for b in model.blocks]
+    counts = head_counts(model)
     grid = torch.full((*values.shape[:-1], len(counts), max(counts)), float("nan"))
-    start = 0
-    for layer, n in enumerate(counts):
-        grid[..., layer, :n] = values[..., start : start + n].float().cpu()
-        start += n
+    for layer, part in enumerate(values.split(counts, dim=-1)):
+        grid[..., layer, : counts[layer]] = part.float().cpu()
     return grid

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -35,11 +37,8 @@ def cls_dist_similarity(
     sums = torch.zeros(model.depth + 1, dtype=torch.float64)
     with evaluating(model):
         for start in range(0, len(images), batch_size):
-            x = model.embed(images[start : start + batch_size])
-            rows = [x]
-            for block in model.blocks:
-                x = block(x)
-                rows.append(x)
+            embedded = model.embed(images[start : start + batch_size])
+            rows = itertools.accumulate(model.blocks, lambda x, block: block(x), initial=embedded)
             for i, tokens in enumerate(rows):
                 sums[i] += F.cosine_similarity(tokens[:, 0], tokens[:, 1], dim=-1).double().sum()
     return (sums / len(images)).tolist()

@@ -3,11 +3,7 @@
 :func:`explain_image` is the explorer's one call per change of the page: the prediction,
 every layer's and head's attention, their entropy and mean attention distance, the
 rollout, the class relevance of a chosen class, what each head writes into each class
-logit and the logit lens, computed with the functions that TensorBoard
-(:func:`~vit_mnist.analysis.attention.attention_report`), ``predict.py`` and ``eval.py
-analysis=circuits`` use, in one forward and backward pass; the heads switched off are a
-head mask given to that pass (the ablation of ``eval.py analysis=heads``), never set on
-the model.
+logit and the logit lens, in one forward and backward pass.
 """
 
 from __future__ import annotations

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from einops import repeat
 from torch import nn
 
-from vit_mnist.analysis.attention import attention_rollout, cls_attention
+from vit_mnist.analysis.attention import attention_batches, attention_rollout, cls_attention
 from vit_mnist.analysis.modes import evaluating
 from vit_mnist.analysis.relevance import class_relevance
 from vit_mnist.models.vit import VisionTransformer
@@ -52,14 +53,11 @@ def explanation_maps(
         method -> (N, grid, grid) float32 on the CPU.
     """
     grid = model.patch_embed.grid_size
-    device = next(model.parameters()).device
     attention, rollout = [], []
-    with evaluating(model):
-        for start in range(0, len(images), batch_size):
-            _, weights = model.forward_with_attention(images[start : start + batch_size].to(device))
-            weights = [w.float() for w in weights]
-            attention.append(cls_attention(weights[-1].mean(dim=1), grid).cpu())
-            rollout.append(cls_attention(attention_rollout(weights), grid).cpu())
+    for _, weights in attention_batches(model, images, batch_size):
+        weights = [w.float() for w in weights]
+        attention.append(cls_attention(weights[-1].mean(dim=1), grid).cpu())
+        rollout.append(cls_attention(attention_rollout(weights), grid).cpu())
     relevance, _ = class_relevance(model, images, batch_size=batch_size)
     generator = torch.Generator().manual_seed(seed)
     return {
@@ -90,9 +88,8 @@ def blank_patches(
     patch = images.shape[-1] // g
     mask = torch.zeros(n, p, dtype=torch.bool, device=images.device)
     mask.scatter_(1, order[:, :count].to(images.device), True)
-    # (N, g, g) -> (N, 1, H, W): each patch's flag over its patch_size x patch_size pixels.
-    pixels = mask.view(n, 1, g, g).repeat_interleave(patch, 2).repeat_interleave(patch, 3)
-    return torch.where(pixels, torch.full_like(images, fill), images)
+    pixels = repeat(mask, "n (gh gw) -> n 1 (gh p) (gw q)", gh=g, p=patch, q=patch)
+    return images.masked_fill(pixels, fill)
 
 
 @dataclass
@@ -191,8 +188,8 @@ def perturbation_test(
             correct += int((logits.argmax(dim=1) == labels[start : start + batch_size]).sum())
         return correct / n
 
-    result = PerturbationResult(fractions=torch.arange(p + 1, dtype=torch.float32) / p)
-    result.num_images = n
+    fractions = torch.arange(p + 1, dtype=torch.float32) / p
+    result = PerturbationResult(fractions=fractions, num_images=n)
     with evaluating(model), torch.autocast(device.type, enabled=False):
         identity = torch.arange(p).expand(n, p)
         first, last = accuracy(identity, 0), accuracy(identity, p)
@@ -209,12 +206,10 @@ def perturbation_test(
 def faithfulness_figure(result: PerturbationResult, title: str = ""):
     """Two panels of accuracy vs. fraction of patches blanked: positive and negative
     perturbation, one line per method, its AUC in the legend. A matplotlib figure."""
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.8), dpi=110, sharey=True)
+    fig = Figure(figsize=(9.5, 3.8), dpi=110)
+    axes = fig.subplots(1, 2, sharey=True)
     labels = {
         "positive": "positive: most relevant blanked first (lower AUC is better)",
         "negative": "negative: least relevant blanked first (higher AUC is better)",
@@ -223,13 +218,8 @@ def faithfulness_figure(result: PerturbationResult, title: str = ""):
         for method, curves in result.accuracy.items():
             auc = result.auc(method, direction)
             style = {"linestyle": "--", "color": "grey"} if method == "random" else {}
-            ax.plot(
-                result.fractions.numpy(),
-                100 * curves[direction].numpy(),
-                marker=".",
-                label=f"{method} (AUC {auc:.3f})",
-                **style,
-            )
+            x, y = result.fractions.numpy(), 100 * curves[direction].numpy()
+            ax.plot(x, y, marker=".", label=f"{method} (AUC {auc:.3f})", **style)
         ax.set_title(labels[direction], fontsize=8)
         ax.set_xlabel("fraction of patches blanked")
         ax.grid(alpha=0.3)

@@ -4,8 +4,10 @@ Really Better than One?", eq. 1 and 2), and its picture."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import lightning as L
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from vit_mnist.analysis.components import head_counts, head_mask
 from vit_mnist.analysis.modes import evaluating
 from vit_mnist.analysis.per_class import accuracy_and_loss, predict
 from vit_mnist.models.vit import VisionTransformer
@@ -21,30 +24,40 @@ T = TypeVar("T")
 
 
 @contextmanager
-def heads_zeroed(model: VisionTransformer, layer: int, heads: Sequence[int]):
-    """Inside the block, the given heads of ``layer`` output zeros.
+def heads_gated(model: VisionTransformer, gate: torch.Tensor) -> Iterator[None]:
+    """Inside the block, each head's output is multiplied by its gate xi_h (Michel, Levy and
+    Neubig 2019, eq. 1: ``MHAtt(x) = sum_h xi_h Att_h(x)``): head h's slice of the
+    concatenated heads before ``W^O`` (``attn.proj``), by forward pre-hooks, so the
+    attention code is untouched and any ``attention_impl`` works. A gate of 0 removes the
+    head's contribution exactly; gradients flow to ``gate``.
 
-    Zeroing head i's slice of the concatenated heads before ``W^O`` removes its
-    contribution exactly (Michel, Levy and Neubig 2019, eq. 1 with the head's gate
-    xi_h = 0). Done with a forward pre-hook, so the attention code is untouched.
+    Args:
+        gate: (depth, max heads of a block) float, on any device (read at each forward
+            pass, so the model may move inside the block).
     """
-    attn = model.blocks[layer].attn
-    d = attn.head_dim
+    handles = []
+    for layer, block in enumerate(model.blocks):
+        d, h = block.attn.head_dim, block.attn.num_heads
 
-    def zero(module, inputs):
-        x = inputs[0].clone()
-        for h in heads:
-            x[..., h * d : (h + 1) * d] = 0
-        return (x,)
+        def gated(module, inputs, layer=layer, d=d, h=h):
+            # (B, T, heads * d_k) * (heads * d_k,): head h's slice times xi_h.
+            return (inputs[0] * gate[layer, :h].repeat_interleave(d).to(inputs[0]),)
 
-    handle = attn.proj.register_forward_pre_hook(zero)
+        handles.append(block.attn.proj.register_forward_pre_hook(gated))
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
-@contextmanager
+def heads_zeroed(model: VisionTransformer, layer: int, heads: Sequence[int]):
+    """Inside the block, the given heads of ``layer`` output zeros: :func:`heads_gated`
+    with those heads' gates xi_h = 0, which removes their contribution exactly (Michel,
+    Levy and Neubig 2019, eq. 1)."""
+    return heads_gated(model, head_mask(model, [(layer, head) for head in heads]))
+
+
 def heads_switched_off(model: VisionTransformer, heads: Iterable[tuple[int, int]]):
     """Inside the block, every ``(layer, head)`` of ``heads`` outputs zeros: the head mask
     of ``eval.py analysis=heads`` (:func:`heads_zeroed`), for any heads of any layers at
@@ -54,16 +67,7 @@ def heads_switched_off(model: VisionTransformer, heads: Iterable[tuple[int, int]
     Raises:
         ValueError: a (layer, head) that ``model`` does not have.
     """
-    by_layer: dict[int, list[int]] = {}
-    counts = [block.attn.num_heads for block in model.blocks]
-    for layer, head in heads:
-        if not (0 <= layer < len(counts) and 0 <= head < counts[layer]):
-            raise ValueError(f"no head {layer}:{head} in a model with heads {counts}")
-        by_layer.setdefault(layer, []).append(head)
-    with ExitStack() as stack:
-        for layer, chosen in by_layer.items():
-            stack.enter_context(heads_zeroed(model, layer, chosen))
-        yield
+    return heads_gated(model, head_mask(model, heads))
 
 
 def gradient_head_importance(
@@ -75,12 +79,11 @@ def gradient_head_importance(
 ) -> torch.Tensor:
     """Gradient head importance (Michel, Levy and Neubig 2019, eq. 2).
 
-    Each head's output is multiplied by a gate xi_h = 1 (eq. 1: ``MHAtt(x) =
-    sum_h xi_h Att_h(x)``, here head h's slice of the concatenated heads before ``W^O``,
-    ``attn.proj``, through a forward pre-hook, so the model is unchanged), and the
-    importance is the expected absolute gradient of the loss with respect to the gate,
-    ``I_h = E_x |dL(x)/d xi_h|`` (eq. 2). Since xi_h = 1, ``dL/d xi_h`` is the first-order
-    (Taylor) estimate of the loss change when the head is removed, with the sign dropped.
+    Each head's output is multiplied by a gate xi_h = 1 (eq. 1, :func:`heads_gated`: the
+    model is unchanged), and the importance is the expected absolute gradient of the loss
+    with respect to the gate, ``I_h = E_x |dL(x)/d xi_h|`` (eq. 2). Since xi_h = 1,
+    ``dL/d xi_h`` is the first-order (Taylor) estimate of the loss change when the head is
+    removed, with the sign dropped.
 
     The expectation is taken per batch, not per example: one backward pass per batch gives
     ``|dL_b/d xi|`` for the batch's mean cross-entropy ``L_b``, and the batches are
@@ -122,25 +125,21 @@ def gradient_head_importance(
         )
     home, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     device = torch.device(device) if device is not None else home
-    shape = (model.depth, max(block.attn.num_heads for block in model.blocks))
+    shape = (model.depth, max(head_counts(model)))
     if mask is not None and tuple(mask.shape) != shape:
         raise ValueError(f"mask of shape {tuple(mask.shape)}; this model needs {shape}")
     model.to(device)
     gate = torch.ones(shape) if mask is None else mask.detach().clone()
     gate = gate.to(device, dtype).requires_grad_(True)
-    handles = []
-    for layer, block in enumerate(model.blocks):
-        d, h = block.attn.head_dim, block.attn.num_heads
-
-        def gated(module, inputs, layer=layer, d=d, h=h):
-            # (B, T, heads * d_k) * (heads * d_k,): head h's slice times xi_h.
-            return (inputs[0] * gate[layer, :h].repeat_interleave(d).to(inputs[0].dtype),)
-
-        handles.append(block.attn.proj.register_forward_pre_hook(gated))
     total = torch.zeros(shape, dtype=torch.float64, device=device)
     count = 0
     try:
-        with evaluating(model), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        with (
+            heads_gated(model, gate),
+            evaluating(model),
+            torch.enable_grad(),
+            torch.autocast(device.type, enabled=False),
+        ):
             for images, labels in batches:
                 x = images.to(device, dtype)
                 y = labels.to(device)
@@ -149,8 +148,6 @@ def gradient_head_importance(
                 total += grad.abs().double() * len(y)
                 count += len(y)
     finally:
-        for handle in handles:
-            handle.remove()
         model.to(home)
     if count == 0:
         raise ValueError("gradient_head_importance got no images: the batches are empty")
@@ -181,9 +178,7 @@ def head_importance(
     """
     model: VisionTransformer = module.net
 
-    def score() -> tuple[float, float]:
-        return accuracy_and_loss(trainer, module, loader)
-
+    score = functools.partial(accuracy_and_loss, trainer, module, loader)
     base_acc, base_loss = score()
     rows = [
         {
@@ -238,19 +233,16 @@ def class_head_importance(
 
 def head_importance_figure(rows: Sequence[dict[str, Any]], depth: int, heads: int, title: str):
     """Layers-by-heads heatmap of the accuracy drop (points) when a head is zeroed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     drop = torch.zeros(depth, heads)
     for r in rows:
         drop[r["layer"], r["head"]] = 100 * r["acc_drop"]
-    fig, ax = plt.subplots(figsize=(1.5 + 0.9 * heads, 1.0 + 0.55 * depth), dpi=110)
+    fig = Figure(figsize=(1.5 + 0.9 * heads, 1.0 + 0.55 * depth), dpi=110)
+    ax = fig.subplots()
     im = ax.imshow(drop.numpy(), cmap="Reds", vmin=min(0.0, float(drop.min())))
-    for layer in range(depth):
-        for h in range(heads):
-            ax.text(h, layer, f"{drop[layer, h]:.2f}", ha="center", va="center", fontsize=8)
+    for layer, h in itertools.product(range(depth), range(heads)):
+        ax.text(h, layer, f"{drop[layer, h]:.2f}", ha="center", va="center", fontsize=8)
     ax.set_xticks(range(heads), [f"head {h}" for h in range(heads)])
     ax.set_yticks(range(depth), [f"layer {layer}" for layer in range(depth)])
     ax.set_title(title, fontsize=9)

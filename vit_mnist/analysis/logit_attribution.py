@@ -20,11 +20,11 @@ patching, :mod:`vit_mnist.analysis.patching`, counts it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from vit_mnist.analysis.components import Components, head_grid, read_components
+from vit_mnist.analysis.components import Components, head_counts, head_grid, read_components
 from vit_mnist.models.vit import VisionTransformer
 
 
@@ -58,14 +58,16 @@ class LogitAttribution:
     mlp_index: torch.Tensor
     where: list[tuple[int | None, int | None]]
 
+    def to_class(self, k: int | torch.Tensor) -> torch.Tensor:
+        """(N, C): each component's direct contribution to logit ``k``, a class given as an
+        int or an (N,) int64 tensor (one per image)."""
+        k = torch.as_tensor(k).expand(len(self.contributions))
+        return self.contributions.gather(2, k[:, None, None].expand(-1, len(self.names), 1))[..., 0]
+
     def logit_difference(self, a: int | torch.Tensor, b: int | torch.Tensor) -> torch.Tensor:
         """(N, C): each component's direct contribution to ``logit_a - logit_b``, for
         classes ``a`` and ``b`` given as ints or (N,) int64 tensors (one per image)."""
-        n = len(self.contributions)
-        a = torch.as_tensor(a).expand(n)[:, None, None].expand(-1, len(self.names), 1)
-        b = torch.as_tensor(b).expand(n)[:, None, None].expand(-1, len(self.names), 1)
-        gather = self.contributions.gather
-        return (gather(2, a) - gather(2, b))[..., 0]
+        return self.to_class(a) - self.to_class(b)
 
     def heads(self, model: VisionTransformer, values: torch.Tensor) -> torch.Tensor:
         """Per-component values (..., C) -> the heads' as (..., depth, max heads), NaN where
@@ -74,14 +76,11 @@ class LogitAttribution:
 
 
 def _components(model: VisionTransformer) -> tuple[list[str], list[tuple[int | None, ...]]]:
-    names, where = ["embed"], [(None, None)]
-    for layer, block in enumerate(model.blocks):
-        for i in range(block.attn.num_heads):
-            names.append(f"L{layer}H{i}")
-            where.append((layer, i))
-        names.append(f"L{layer} mlp")
-        where.append((layer, None))
-    return [*names, "biases"], [*where, (None, None)]
+    where = []
+    for layer, count in enumerate(head_counts(model)):
+        where += [*((layer, i) for i in range(count)), (layer, None)]
+    names = [f"L{layer}H{i}" if i is not None else f"L{layer} mlp" for layer, i in where]
+    return ["embed", *names, "biases"], [(None, None), *where, (None, None)]
 
 
 def _through_head(
@@ -109,9 +108,7 @@ def attribution_of(model: VisionTransformer, c: Components) -> LogitAttribution:
     head switched off contributes 0), on their device and in their autograd graph."""
     names, where = _components(model)
     contributions, logits = _through_head(model, c, 0, model.head)
-    dist = (None, None)
-    if model.head_dist is not None:
-        dist = _through_head(model, c, 1, model.head_dist)
+    dist = (None, None) if model.head_dist is None else _through_head(model, c, 1, model.head_dist)
     return LogitAttribution(
         names=names,
         contributions=contributions,
@@ -119,9 +116,7 @@ def attribution_of(model: VisionTransformer, c: Components) -> LogitAttribution:
         contributions_dist=dist[0],
         logits_dist=dist[1],
         head_index=torch.tensor([i for i, (_, h) in enumerate(where) if h is not None]),
-        mlp_index=torch.tensor(
-            [i for i, (layer, h) in enumerate(where) if layer is not None and h is None]
-        ),
+        mlp_index=torch.tensor([i for i, name in enumerate(names) if name.endswith(" mlp")]),
         where=where,
     )
 
@@ -153,17 +148,8 @@ def direct_logit_attribution(
         values = [getattr(p, name) for p in parts]
         return None if values[0] is None else torch.cat(values).float().cpu()
 
-    first = parts[0]
-    return LogitAttribution(
-        names=first.names,
-        contributions=cat("contributions"),
-        logits=cat("logits"),
-        contributions_dist=cat("contributions_dist"),
-        logits_dist=cat("logits_dist"),
-        head_index=first.head_index,
-        mlp_index=first.mlp_index,
-        where=first.where,
-    )
+    per_image = ("contributions", "logits", "contributions_dist", "logits_dist")
+    return replace(parts[0], **{name: cat(name) for name in per_image})
 
 
 def margin_attribution(
@@ -181,11 +167,8 @@ def margin_attribution(
         runner-up classes (N,) int64.
     """
     labels = labels.cpu().long()
-    others = attribution.logits.scatter(1, labels[:, None], float("-inf"))
-    runner_up = others.argmax(1)
-    index = labels[:, None, None].expand(-1, len(attribution.names), 1)
-    to_true = attribution.contributions.gather(2, index)[..., 0]
-    return to_true, attribution.logit_difference(labels, runner_up), runner_up
+    runner_up = attribution.logits.scatter(1, labels[:, None], float("-inf")).argmax(1)
+    return attribution.to_class(labels), attribution.logit_difference(labels, runner_up), runner_up
 
 
 def attribution_rows(
@@ -209,7 +192,7 @@ def attribution_rows(
     for c, (name, (layer, head)) in enumerate(
         zip(attribution.names, attribution.where, strict=True)
     ):
-        margin = margin_by_class[:, c]
+        margin, true = margin_by_class[:, c], true_by_class[:, c]
         rows.append(
             {
                 "component": name,
@@ -219,10 +202,7 @@ def attribution_rows(
                 "to_margin": round(float(to_margin[:, c].mean()), 5),
                 "top_class": class_names[int(margin.nan_to_num(float("-inf")).argmax())],
                 **{f"to_margin_{n}": round(float(margin[k]), 5) for k, n in enumerate(class_names)},
-                **{
-                    f"to_true_{n}": round(float(true_by_class[k, c]), 5)
-                    for k, n in enumerate(class_names)
-                },
+                **{f"to_true_{n}": round(float(true[k]), 5) for k, n in enumerate(class_names)},
             }
         )
     return rows
@@ -239,26 +219,37 @@ def attribution_figure(
     """Layers x (heads, MLP) heat maps of a per-image attribution (N, C) averaged over all
     images and over each true class, on one colour scale (red writes for the class, blue
     against it)."""
-    from vit_mnist.drawing import heatmap_panels
-
     groups = [("all", torch.ones(len(labels), dtype=torch.bool))]
     groups += [(name, labels.cpu() == k) for k, name in enumerate(class_names)]
-    panels, titles = [], []
-    for name, chosen in groups:
-        mean = per_image[chosen].mean(0) if chosen.any() else torch.full_like(per_image[0], 0)
-        mlp = mean[attribution.mlp_index][:, None]  # (depth, 1)
-        panels.append(torch.cat([attribution.heads(model, mean), mlp], dim=1))
-        titles.append(f"{name} (n={int(chosen.sum())})")
-    heads = panels[0].shape[1] - 1
-    return heatmap_panels(
-        torch.stack(panels),
-        titles=titles,
-        row_labels=[f"layer {layer}" for layer in range(model.depth)],
-        col_labels=[*map(str, range(heads)), "MLP"],
-        x_label="head",
+    zero = torch.zeros_like(per_image[0])
+    means = torch.stack(
+        [per_image[chosen].mean(0) if chosen.any() else zero for _, chosen in groups]
+    )
+    return heads_and_mlp_figure(
+        model,
+        attribution.heads(model, means),
+        means[:, attribution.mlp_index],
+        titles=[f"{name} (n={int(chosen.sum())})" for name, chosen in groups],
         colorbar_label="direct contribution (logits)",
         title=title,
         columns=6,
+    )
+
+
+def heads_and_mlp_figure(
+    model: VisionTransformer, heads: torch.Tensor, mlp: torch.Tensor, **panels
+):
+    """Layers x (heads, MLP) heat maps (:func:`~vit_mnist.drawing.heatmap_panels`, whose
+    keywords ``panels`` passes on), one per panel, from ``heads`` (P, depth, max heads; NaN
+    where a block lacks the head) and ``mlp`` (P, depth)."""
+    from vit_mnist.drawing import heatmap_panels
+
+    return heatmap_panels(
+        torch.cat([heads, mlp[..., None]], dim=-1),
+        row_labels=[f"layer {layer}" for layer in range(model.depth)],
+        col_labels=[*map(str, range(heads.shape[-1])), "MLP"],
+        x_label="head",
+        **panels,
     )
 
 

@@ -101,30 +101,21 @@ def logit_lens(
 def lens_figure(lens: LogitLens, class_names: list[str], title: str):
     """The lens curve: accuracy against the labels and agreement with the final prediction
     after each block (%), and each class's accuracy as a thin line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
 
     layers = range(len(lens.agreement))
-    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=110, layout="constrained")
+    fig = Figure(figsize=(5.5, 3.6), dpi=110, layout="constrained")
+    ax = fig.subplots()
     if lens.class_accuracy is not None:
-        colours = plt.get_cmap("tab10")
+        colours = colormaps["tab10"]
         for k, name in enumerate(class_names):
-            ax.plot(
-                layers,
-                100 * lens.class_accuracy[:, k],
-                lw=0.8,
-                alpha=0.6,
-                color=colours(k % 10),
-                label=name,
-            )
+            accuracy = 100 * lens.class_accuracy[:, k]
+            ax.plot(layers, accuracy, lw=0.8, alpha=0.6, color=colours(k % 10), label=name)
         ax.plot(layers, 100 * lens.accuracy, lw=2.5, color="black", label="accuracy")
     ax.plot(layers, 100 * lens.agreement, lw=2, ls="--", color="grey", label="= final prediction")
     ax.set_xticks(list(layers), [f"after {layer}" for layer in layers], fontsize=7)
-    ax.set_ylim(0, 101)
-    ax.set_xlabel("block")
-    ax.set_ylabel("% of images")
+    ax.set(ylim=(0, 101), xlabel="block", ylabel="% of images")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=6, ncol=2, loc="lower right")
     return fig

@@ -20,13 +20,12 @@ denominator explodes), so 1 means "all of it" and 0 "none" in both directions.
 
 from __future__ import annotations
 
-import itertools
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from vit_mnist.analysis.components import Components, resume, run_components
+from vit_mnist.analysis.components import Components, head_counts, resume, run_components
+from vit_mnist.analysis.logit_attribution import heads_and_mlp_figure
 from vit_mnist.analysis.modes import evaluating
 from vit_mnist.models.vit import VisionTransformer
 
@@ -70,30 +69,24 @@ class PatchingResult:
         for direction, patched in self.patched.items():
             for kind in patched:
                 score = self.score(direction, kind)
-                for index in itertools.product(*map(range, score.shape)):
-                    value = float(score[index])
-                    if math.isnan(value):
-                        continue
+                by_token = kind in ("heads_by_position", "resid")
+                for index in (~score.isnan()).nonzero().tolist():  # row-major, as the grid
                     layer, *rest = index
-                    head = rest[0] if kind.startswith("heads") else ""
-                    token = (
-                        token_names[rest[-1]] if kind in ("heads_by_position", "resid") else "all"
-                    )
                     rows.append(
                         {
                             "direction": direction,
                             "kind": kind,
                             "layer": layer,
-                            "head": head,
-                            "token": token,
-                            "score": round(value, 5),
+                            "head": rest[0] if kind.startswith("heads") else "",
+                            "token": token_names[rest[-1]] if by_token else "all",
+                            "score": round(float(score[tuple(index)]), 5),
                         }
                     )
         return rows
 
 
 def _logit_difference(logits: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return logits.gather(1, a[:, None])[:, 0] - logits.gather(1, b[:, None])[:, 0]
+    return (logits.gather(1, a[:, None]) - logits.gather(1, b[:, None]))[:, 0]
 
 
 def _patch_all(
@@ -107,25 +100,24 @@ def _patch_all(
 ) -> dict[str, torch.Tensor]:
     """Logit differences of ``base``'s run with each activation of ``source`` patched in."""
     n, tokens = base.embed.shape[:2]
-    depth = model.depth
+    per_pass = max(1, chunk // n)  # variants per forward pass of about ``chunk`` images
 
-    def run(
-        resids: list[torch.Tensor], layer: int, after_attention: bool
-    ) -> torch.Tensor:  # variants of (N, T, D) each -> (variants, N) logit differences
+    def run(resids: list[torch.Tensor], layer: int, after_attention: bool) -> torch.Tensor:
+        """Variants of the (N, T, D) residual stream -> (variants, N) logit differences."""
         out = []
-        for start in range(0, len(resids), max(1, chunk // n)):
-            group = resids[start : start + max(1, chunk // n)]
-            logits = resume(model, torch.cat(group), layer, after_attention=after_attention)
-            ld = _logit_difference(logits, a.repeat(len(group)), b.repeat(len(group)))
-            out.append(ld.view(len(group), n))
-        return torch.cat(out).float().cpu()
+        for start in range(0, len(resids), per_pass):
+            group = torch.cat(resids[start : start + per_pass])
+            logits = resume(model, group, layer, after_attention=after_attention)
+            repeats = len(group) // n
+            out.append(_logit_difference(logits, a.repeat(repeats), b.repeat(repeats)))
+        return torch.cat(out).view(len(resids), n).float().cpu()
 
     def one_token(delta: torch.Tensor, t: int) -> torch.Tensor:
         only = torch.zeros_like(delta)
         only[:, t] = delta[:, t]
         return only
 
-    most = max(block.attn.num_heads for block in model.blocks)
+    most = max(head_counts(model))
 
     def padded(values: torch.Tensor) -> torch.Tensor:  # (N, h, ...) -> (N, most heads, ...)
         out = torch.full((n, most, *values.shape[2:]), float("nan"))
@@ -133,7 +125,7 @@ def _patch_all(
         return out
 
     results: dict[str, list[torch.Tensor]] = {k: [] for k in kinds}
-    for layer in range(depth):
+    for layer in range(model.depth):
         heads = base.heads[layer].shape[1]
         delta = source.heads[layer] - base.heads[layer]  # (N, h, T, D)
         mid = base.resid_mid[layer]
@@ -234,21 +226,13 @@ def patching_figures(
     residual stream (where the decision sits, token by token), on the scale -1 .. 1."""
     from vit_mnist.drawing import heatmap_panels
 
-    rows = [f"layer {layer}" for layer in range(model.depth)]
-    panels, titles = [], []
-    for label, result in results:
-        for direction in DIRECTIONS:
-            heads = result.score(direction, "heads")
-            panels.append(torch.cat([heads, result.score(direction, "mlp")[:, None]], dim=1))
-            word = "restored" if direction == "denoising" else "destroyed"
-            titles.append(f"{label}: {direction} ({word})")
-    heads = panels[0].shape[1] - 1
-    by_head = heatmap_panels(
-        torch.stack(panels),
-        titles=titles,
-        row_labels=rows,
-        col_labels=[*map(str, range(heads)), "MLP"],
-        x_label="head",
+    words = {"denoising": "restored", "noising": "destroyed"}
+    panels = [(label, result, direction) for label, result in results for direction in DIRECTIONS]
+    by_head = heads_and_mlp_figure(
+        model,
+        torch.stack([result.score(direction, "heads") for _, result, direction in panels]),
+        torch.stack([result.score(direction, "mlp") for _, result, direction in panels]),
+        titles=[f"{label}: {direction} ({words[direction]})" for label, _, direction in panels],
         colorbar_label="share of the logit difference",
         title=title,
         limit=1.0,
@@ -257,7 +241,7 @@ def patching_figures(
     by_token = heatmap_panels(
         torch.stack([r.score("denoising", "resid") for _, r in results]),
         titles=[f"{label}: residual stream, denoising" for label, _ in results],
-        row_labels=[f"before {r}" for r in rows],
+        row_labels=[f"before layer {layer}" for layer in range(model.depth)],
         col_labels=token_names,
         x_label="token (patch row,column)",
         colorbar_label="share of the logit difference restored",

@@ -3,6 +3,7 @@ class, the confusion matrix, and pictures of the misclassified images."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,8 +32,7 @@ def predict(
         logits (N, num_classes) float32 and labels (N,) int64, on the CPU.
     """
     outputs = trainer.predict(module, dataloaders=loader)
-    logits = torch.cat([o[0].cpu() for o in outputs])
-    labels = torch.cat([o[1].cpu() for o in outputs])
+    logits, labels = (torch.cat([o[i].cpu() for o in outputs]) for i in (0, 1))
     return logits, labels
 
 
@@ -79,24 +79,19 @@ def class_report(
 
 def confusion_matrix_figure(cm: torch.Tensor, class_names: Sequence[str], title: str = ""):
     """A matplotlib figure of the confusion matrix with counts in the cells."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     c = len(class_names)
-    fig, ax = plt.subplots(figsize=(1.0 + 0.62 * c, 0.8 + 0.55 * c), dpi=110)
+    fig = Figure(figsize=(1.0 + 0.62 * c, 0.8 + 0.55 * c), dpi=110)
+    ax = fig.subplots()
     # Log colour scale: the diagonal is ~100x the off-diagonal cells.
     ax.imshow(torch.log1p(cm.float()).numpy(), cmap="Blues")
-    for i in range(c):
-        for j in range(c):
-            v = int(cm[i, j])
-            colour = "white" if i == j else "black"
-            ax.text(j, i, str(v), ha="center", va="center", fontsize=7, color=colour)
+    for i, j in itertools.product(range(c), repeat=2):
+        colour = "white" if i == j else "black"
+        ax.text(j, i, str(int(cm[i, j])), ha="center", va="center", fontsize=7, color=colour)
     ax.set_xticks(range(c), class_names, rotation=45 if max(map(len, class_names)) > 2 else 0)
     ax.set_yticks(range(c), class_names)
-    ax.set_xlabel("predicted class")
-    ax.set_ylabel("true class")
+    ax.set(xlabel="predicted class", ylabel="true class")
     ax.set_title(title or f"confusion matrix ({int(cm.sum())} images)")
     fig.tight_layout()
     return fig
@@ -121,8 +116,7 @@ def misclassified_grid(
     Returns:
         (3, height, width) uint8 picture and the number of tiles in it.
     """
-    probs = logits.softmax(dim=1)
-    confidence, preds = probs.max(dim=1)
+    confidence, preds = logits.softmax(dim=1).max(dim=1)
     wrong = torch.nonzero(preds != labels).flatten()
     total = len(wrong)
     wrong = wrong[:max_tiles]

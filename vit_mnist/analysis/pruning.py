@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from einops import rearrange
 
+from vit_mnist.analysis.components import check_heads, head_counts
 from vit_mnist.analysis.heads import gradient_head_importance
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.settings import PruneSettings, check_arguments
@@ -50,12 +51,7 @@ def prune_heads(
         ValueError: a (layer, head) that ``model`` lacks, or every head of a block removed
             (a block needs one head: W^O of zero heads would be an empty matrix).
     """
-    removed = set(removed)
-    depth = len(model.blocks)
-    counts = [block.attn.num_heads for block in model.blocks]
-    for layer, head in removed:
-        if not (0 <= layer < depth and 0 <= head < counts[layer]):
-            raise ValueError(f"no head {layer}:{head} in a model with heads {counts}")
+    removed, counts = set(check_heads(model, removed)), head_counts(model)
     kept = [[h for h in range(n) if (layer, h) not in removed] for layer, n in enumerate(counts)]
     if not all(kept):
         empty = [layer for layer, heads in enumerate(kept) if not heads]
@@ -66,15 +62,12 @@ def prune_heads(
     for layer, heads in enumerate(kept):
         prefix = f"blocks.{layer}.attn."
         index = torch.tensor(heads, device=state[prefix + "proj.weight"].device)
-        w = rearrange(
-            state[prefix + "qkv.weight"], "(three h d) e -> three h d e", three=3, d=head_dim
-        )
-        state[prefix + "qkv.weight"] = rearrange(w[:, index], "three h d e -> (three h d) e")
-        if prefix + "qkv.bias" in state:
-            b = rearrange(
-                state[prefix + "qkv.bias"], "(three h d) -> three h d", three=3, d=head_dim
-            )
-            state[prefix + "qkv.bias"] = rearrange(b[:, index], "three h d -> (three h d)")
+        for name in (prefix + "qkv.weight", prefix + "qkv.bias"):
+            if name in state:
+                qkv = rearrange(
+                    state[name], "(three h d) ... -> three h d ...", three=3, d=head_dim
+                )
+                state[name] = rearrange(qkv[:, index], "three h d ... -> (three h d) ...")
         o = rearrange(state[prefix + "proj.weight"], "e (h d) -> e h d", d=head_dim)
         state[prefix + "proj.weight"] = rearrange(o[:, index], "e h d -> e (h d)")
     weight = next(model.parameters())
@@ -185,27 +178,19 @@ def accuracy_at(rows: Sequence[dict[str, Any]], fraction: float) -> float | None
 
 def pruning_figure(rows: Sequence[dict[str, Any]], title: str):
     """Test accuracy (%) against the fraction of heads pruned (%), one point per step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     x = [100 * r["fraction_removed"] for r in rows]
     y = [100 * r["test_acc"] for r in rows]
-    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=110)
+    fig = Figure(figsize=(5.5, 3.6), dpi=110)
+    ax = fig.subplots()
     ax.plot(x, y, marker="o")
     ax.axhline(y[0], color="grey", linestyle="--", linewidth=0.8, label="unpruned")
-    for xi, yi in zip(x, y, strict=True):
+    for xy in zip(x, y, strict=True):
         ax.annotate(
-            f"{yi:.2f}",
-            (xi, yi),
-            textcoords="offset points",
-            xytext=(0, 6),
-            ha="center",
-            fontsize=7,
+            f"{xy[1]:.2f}", xy, textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7
         )
-    ax.set_xlabel("heads pruned (% of all heads)")
-    ax.set_ylabel("test accuracy (%)")
+    ax.set(xlabel="heads pruned (% of all heads)", ylabel="test accuracy (%)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()

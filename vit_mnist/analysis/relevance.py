@@ -28,19 +28,14 @@ def _targets(target: int | torch.Tensor | None, n: int, num_classes: int) -> tor
     """``target`` as an (n,) int64 CPU tensor, or None for the predicted classes."""
     if target is None:
         return None
-    if isinstance(target, torch.Tensor):
-        if target.dtype.is_floating_point or target.dtype == torch.bool:
-            raise ValueError(f"target must hold integer classes, got dtype {target.dtype}")
-        if target.ndim == 0:
-            target = target.item()
-        elif target.shape != (n,):
-            raise ValueError(f"target of shape {tuple(target.shape)} for {n} images; want ({n},)")
-        else:
-            target = target.to("cpu", torch.int64)
     if isinstance(target, bool) or not isinstance(target, int | torch.Tensor):
         raise ValueError(f"target={target!r} must be None, an int or a ({n},) tensor of ints")
-    if isinstance(target, int):
-        target = torch.full((n,), target, dtype=torch.int64)
+    target = torch.as_tensor(target)
+    if target.dtype.is_floating_point or target.dtype == torch.bool:
+        raise ValueError(f"target must hold integer classes, got dtype {target.dtype}")
+    if target.ndim and target.shape != (n,):
+        raise ValueError(f"target of shape {tuple(target.shape)} for {n} images; want ({n},)")
+    target = target.to("cpu", torch.int64).expand(n)
     bad = (target < 0) | (target >= num_classes)
     if bad.any():
         raise ValueError(
@@ -110,15 +105,12 @@ def class_relevance(
     maps, classes = [], []
     with evaluating(model), torch.enable_grad(), torch.autocast(device.type, enabled=False):
         for start in range(0, n, batch_size):
-            x = images[start : start + batch_size].to(device, dtype)
+            rows = slice(start, start + batch_size)
             # The input requires grad so that the graph exists even when the caller
             # has frozen the parameters; only the weights' gradients are computed.
-            x.requires_grad_(True)
+            x = images[rows].to(device, dtype).requires_grad_(True)
             logits, weights = model.forward_with_attention(x)
-            if targets is None:
-                c = logits.argmax(dim=1)
-            else:
-                c = targets[start : start + batch_size].to(device)
+            c = logits.argmax(dim=1) if targets is None else targets[rows].to(device)
             score = logits.gather(1, c[:, None]).sum()  # sum_b y_{b, c_b}
             grads = torch.autograd.grad(score, weights)
             maps.append(relevance_rule(weights, grads, grid).cpu())

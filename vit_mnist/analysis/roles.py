@@ -27,12 +27,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from einops import reduce
 from scipy import ndimage
 from skimage.feature import corner_harris, corner_peaks
 from skimage.morphology import skeletonize
 
-from vit_mnist.analysis.attention import attention_entropy, mean_attention_distance
-from vit_mnist.analysis.modes import evaluating
+from vit_mnist.analysis.attention import (
+    attention_batches,
+    attention_entropy,
+    mean_attention_distance,
+)
 from vit_mnist.models.vit import VisionTransformer
 
 INK_THRESHOLD = 0.5  # of the [0, 1] pixel scale: MNIST's strokes are near 1, paper near 0
@@ -100,11 +104,8 @@ def skeleton_points(ink: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     curves = np.zeros_like(skeleton)
     if skeleton.sum() < 3:
         return ends, curves
-    peaks = corner_peaks(
-        corner_harris(skeleton.astype(np.float64), sigma=1.0),
-        min_distance=2,
-        threshold_rel=CURVE_THRESHOLD_REL,
-    )
+    response = corner_harris(skeleton.astype(np.float64), sigma=1.0)
+    peaks = corner_peaks(response, min_distance=2, threshold_rel=CURVE_THRESHOLD_REL)
     near_skeleton = ndimage.binary_dilation(skeleton, np.ones((3, 3), bool))
     near_end = ndimage.binary_dilation(ends, np.ones((2 * END_RADIUS_PX + 1,) * 2, bool))
     for r, c in peaks:
@@ -133,11 +134,9 @@ def digit_parts(pixels: torch.Tensor, patch_size: int) -> DigitParts:
     for i in range(n):
         ends[i], curves[i] = skeleton_points(ink[i])
 
-    def per_patch(mask: np.ndarray) -> torch.Tensor:
-        m = torch.from_numpy(mask).reshape(
-            n, height // patch_size, patch_size, width // patch_size, patch_size
-        )
-        return m.any(dim=4).any(dim=2).flatten(1)
+    def per_patch(mask: np.ndarray) -> torch.Tensor:  # (N, H, W) -> (N, P): any pixel set
+        pattern = "n (gh p) (gw q) -> n (gh gw)"
+        return reduce(torch.from_numpy(mask), pattern, "any", p=patch_size, q=patch_size)
 
     weight = pixels.clamp(0, 1)
     mass = weight.sum(dim=(1, 2))
@@ -151,18 +150,14 @@ def digit_parts(pixels: torch.Tensor, patch_size: int) -> DigitParts:
     centre[mass <= 0] = torch.tensor([(height - 1) / 2, (width - 1) / 2])
     # Patch centres in the same pixel coordinates: patch i spans pixels i*p .. i*p + p - 1.
     offsets = torch.arange(0, height, patch_size, dtype=torch.float32) + (patch_size - 1) / 2
-    grid = torch.stack(torch.meshgrid(offsets, offsets, indexing="ij"), dim=-1).reshape(-1, 2)
+    grid = torch.cartesian_prod(offsets, offsets)  # (P, 2) row-major, as the model numbers them
     distance = torch.linalg.vector_norm(grid[None] - centre[:, None], dim=-1)
     return DigitParts(per_patch(ink), per_patch(ends), per_patch(curves), distance)
 
 
 @torch.no_grad()
 def head_roles(
-    model: VisionTransformer,
-    images: torch.Tensor,
-    pixels: torch.Tensor,
-    *,
-    batch_size: int = 250,
+    model: VisionTransformer, images: torch.Tensor, pixels: torch.Tensor, *, batch_size: int = 250
 ) -> list[dict[str, Any]]:
     """The role figures of every head (:data:`ROLE_COLUMNS`), averaged over ``images``.
 
@@ -201,30 +196,26 @@ def head_roles(
     }
     heads = [block.attn.num_heads for block in model.blocks]
     sums = torch.zeros(model.depth, max(heads), len(ROLE_COLUMNS), dtype=torch.float64)
-    device = next(model.parameters()).device
-    with evaluating(model):
-        for start in range(0, len(images), batch_size):
-            chunk = slice(start, start + batch_size)
-            _, weights = model.forward_with_attention(images[chunk].to(device))
-            per_patch = {
-                "ink_share": parts.ink[chunk].float(),
-                "centre_distance_px": parts.centre_distance[chunk],
-                "end_share": parts.ends[chunk].float(),
-                "curve_share": parts.curves[chunk].float(),
-            }
-            n = per_patch["ink_share"].shape[0]
-            for layer, w in enumerate(weights):
-                w = w.float().cpu()
-                cls = w[:, :, 0, -(grid * grid) :]  # over the patches, the last tokens
-                cls = cls / cls.sum(-1, keepdim=True).clamp_min(1e-12)  # (B, h, P)
-                figures = {k: (cls * v[:, None]).sum(-1).sum(0) for k, v in per_patch.items()}
-                figures.update({k: v[chunk].sum().expand(w.shape[1]) for k, v in areas.items()})
-                figures["mean_distance_px"] = n * mean_attention_distance(
-                    w, grid_size=grid, patch_size=patch
-                )
-                figures["entropy_nats"] = n * attention_entropy(w)
-                for i, key in enumerate(ROLE_COLUMNS):
-                    sums[layer, : w.shape[1], i] += figures[key].double()
+    for chunk, weights in attention_batches(model, images, batch_size):
+        per_patch = {
+            "ink_share": parts.ink[chunk].float(),
+            "centre_distance_px": parts.centre_distance[chunk],
+            "end_share": parts.ends[chunk].float(),
+            "curve_share": parts.curves[chunk].float(),
+        }
+        n = per_patch["ink_share"].shape[0]
+        for layer, w in enumerate(weights):
+            w = w.float().cpu()
+            cls = w[:, :, 0, -(grid * grid) :]  # over the patches, the last tokens
+            cls = cls / cls.sum(-1, keepdim=True).clamp_min(1e-12)  # (B, h, P)
+            figures = {k: (cls * v[:, None]).sum(-1).sum(0) for k, v in per_patch.items()}
+            figures.update({k: v[chunk].sum().expand(w.shape[1]) for k, v in areas.items()})
+            figures["mean_distance_px"] = n * mean_attention_distance(
+                w, grid_size=grid, patch_size=patch
+            )
+            figures["entropy_nats"] = n * attention_entropy(w)
+            for i, key in enumerate(ROLE_COLUMNS):
+                sums[layer, : w.shape[1], i] += figures[key].double()
     means = sums / len(images)
     return [
         {
@@ -252,10 +243,8 @@ def roles_figure(rows: Sequence[dict[str, Any]], class_names: Sequence[str], tit
     Returns:
         A matplotlib figure.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
 
     def ratio(r, share, area):
         return r[share] / r[area] if r[area] > 0 else float("nan")
@@ -264,8 +253,9 @@ def roles_figure(rows: Sequence[dict[str, Any]], class_names: Sequence[str], tit
         return ratio(r, f"{part}_share", f"{part}_area") / ratio(r, "ink_share", "ink_area")
 
     depth = 1 + max(r["layer"] for r in rows)
-    colours = plt.get_cmap("viridis")(np.linspace(0, 0.9, depth))
-    fig, axes = plt.subplots(2, 2, figsize=(11, 9.5), dpi=100)
+    colours = colormaps["viridis"](np.linspace(0, 0.9, depth))
+    fig = Figure(figsize=(11, 9.5), dpi=100)
+    axes = fig.subplots(2, 2)
     panels = [
         (
             axes[0, 0],
@@ -292,13 +282,8 @@ def roles_figure(rows: Sequence[dict[str, Any]], class_names: Sequence[str], tit
     for ax, xs, ys, xlabel, ylabel in panels:
         for r, x, y in zip(rows, xs, ys, strict=True):
             ax.scatter(x, y, color=colours[r["layer"]], s=28)
-            ax.annotate(
-                f"{r['layer']}:{r['head']}",
-                (x, y),
-                fontsize=7,
-                xytext=(3, 2),
-                textcoords="offset points",
-            )
+            name = f"{r['layer']}:{r['head']}"
+            ax.annotate(name, (x, y), fontsize=7, xytext=(3, 2), textcoords="offset points")
         ax.set_xlabel(xlabel, fontsize=9)
         ax.set_ylabel(ylabel, fontsize=9)
     for ax in (axes[0, 0], axes[0, 1]):
@@ -328,18 +313,16 @@ def parts_figure(pixels: torch.Tensor, labels: Sequence[str], title: str):
     Returns:
         A matplotlib figure.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     pixels = pixels.reshape(pixels.shape[0], *pixels.shape[-2:]).float().cpu().numpy()
     columns = min(10, len(pixels))
     rows = -(-len(pixels) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(1.5 * columns, 1.6 * rows + 0.4), dpi=100)
-    for ax in np.atleast_1d(axes).flat:
+    fig = Figure(figsize=(1.5 * columns, 1.6 * rows + 0.4), dpi=100)
+    axes = fig.subplots(rows, columns, squeeze=False)
+    for ax in axes.flat:
         ax.axis("off")
-    for ax, image, label in zip(np.atleast_1d(axes).flat, pixels, labels, strict=False):
+    for ax, image, label in zip(axes.flat, pixels, labels, strict=False):
         ink = image >= INK_THRESHOLD
         ends, curves = skeleton_points(ink)
         picture = np.stack([0.35 * image.clip(0, 1)] * 3, axis=-1)
