@@ -272,6 +272,9 @@ def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path):
     AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(3)}, "v": 1}, path)
     # The writer is a process of its own, killed mid-write: forked from this one, which has
     # imported everything already (a new interpreter would spend 5 s importing Lightning).
+    # Made before the fork: in the child, a tensor op that wants the parent's OpenMP
+    # threads (which a fork does not copy) waits for them forever.
+    new = {"state_dict": {"w": torch.zeros(10**6)}, "v": 2}
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -284,7 +287,6 @@ def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path):
 
             # The new bytes are written to the temporary file; stop before the rename.
             os.fsync = stall
-            new = {"state_dict": {"w": torch.zeros(10**6)}, "v": 2}
             AtomicCheckpointIO().save_checkpoint(new, path)
         finally:
             os._exit(1)  # never back into pytest
