@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,7 @@ from torchmetrics.functional.regression import spearman_corrcoef
 
 from vit_mnist.analysis.attention import head_statistics
 from vit_mnist.analysis.distillation import cls_dist_similarity
-from vit_mnist.analysis.faithfulness import (
-    explanation_maps,
-    faithfulness_figure,
-    perturbation_test,
-)
+from vit_mnist.analysis.faithfulness import explanation_maps, faithfulness_figure, perturbation_test
 from vit_mnist.analysis.heads import (
     class_head_importance,
     gradient_head_importance,
@@ -61,23 +58,61 @@ from vit_mnist.settings import EvalSettings, check_settings
 log = logging.getLogger(__name__)
 
 
-def _check_analysis_and_split(cfg: DictConfig) -> None:
-    # Each alone is checked by the schema (EvalSettings); together, the analyses but roles
-    # and circuits need the test images (those two ask what heads do, which validation
-    # images show as well).
-    split = cfg.get("split", "test")
-    if split != "test" and cfg.get("analysis") not in (None, "roles", "circuits"):
-        raise ConfigError(
-            f"analysis={cfg.analysis} runs on the test images; drop split={split} to run it"
-        )
+@dataclass
+class EvalRun:
+    """What every analysis of :func:`evaluate` reads, and where it writes.
+
+    ``images`` (N, C, H, W) are the split's, normalised as the model takes them, in the
+    order of ``loader``; ``labels`` (N,) int64 their classes; ``device`` is where the model
+    is tested; ``writer`` is TensorBoard's ``SummaryWriter``, None without a TensorBoard
+    logger; files go to the run dir ``out``.
+    """
+
+    module: ViTClassifier
+    loader: Any
+    images: torch.Tensor
+    labels: torch.Tensor
+    class_names: list[str]
+    device: torch.device
+    out: Path
+    writer: Any
+
+    def publish(self, picture, name: str) -> None:
+        """A picture to ``out/<name>.png`` and to TensorBoard (tag ``name``): a (3, H, W)
+        uint8 image tensor, or a matplotlib figure, which is closed."""
+        if isinstance(picture, torch.Tensor):
+            save_png(picture, self.out / f"{name}.png")
+            if self.writer is not None:
+                self.writer.add_image(name, picture)
+            return
+        if self.writer is not None:
+            self.writer.add_figure(name, picture, close=False)
+        save_figure(picture, self.out / f"{name}.png")
+
+    def scalars(self, values: dict[str, float], step: int | None = None) -> None:
+        """Each ``tag: value`` as a TensorBoard scalar."""
+        if self.writer is not None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+
+    def head_scalars(self, rows: list[dict[str, Any]], columns: dict[str, str]) -> None:
+        """For each ``tag: column`` of ``columns``, the scalars ``<tag>/layer_<l>/head_<h>``
+        of the rows that are heads."""
+        for r in rows:
+            if r["head"] != "":
+                where = f"layer_{r['layer']}/head_{r['head']}"
+                self.scalars({f"{tag}/{where}": r[column] for tag, column in columns.items()})
 
 
-def publish(figure, name: str, out: Path, writer) -> None:
-    """A matplotlib figure to TensorBoard (tag ``name``, when there is a writer) and to
-    ``out/<name>.png``; the figure is closed."""
-    if writer is not None:
-        writer.add_figure(name, figure, close=False)
-    save_figure(figure, out / f"{name}.png")
+def _add_head_statistics(model: VisionTransformer, images: torch.Tensor, rows) -> None:
+    """Add each head's attention ``entropy_nats`` and ``mean_distance_px`` to its row ("" in
+    the rows that are not a head)."""
+    # The first 1 000 images: plenty for a per-head mean.
+    entropy, distance = head_statistics(model, images[:1000])
+    for r in rows:
+        head = r["head"] != ""
+        r["entropy_nats"] = round(float(entropy[r["layer"], r["head"]]), 4) if head else ""
+        r["mean_distance_px"] = round(float(distance[r["layer"], r["head"]]), 3) if head else ""
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
@@ -114,7 +149,14 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             analysis with ``split=val``.
     """
     check_settings(cfg, EvalSettings)
-    _check_analysis_and_split(cfg)
+    analysis, split = cfg.get("analysis"), cfg.get("split", "test")
+    # Each alone is checked by the schema (EvalSettings); together, the analyses but roles
+    # and circuits need the test images (those two ask what heads do, which validation
+    # images show as well).
+    if split != "test" and analysis not in (None, "roles", "circuits"):
+        raise ConfigError(
+            f"analysis={analysis} runs on the test images; drop split={split} to run it"
+        )
     ckpt_path = resolve_ckpt_path(cfg)
     ckpt = read_checkpoint(ckpt_path)
     run_info = ckpt.get(RUN_INFO_KEY, {})
@@ -122,7 +164,6 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     out = Path(cfg.paths.output_dir)
 
     datamodule = checkpoint_datamodule(cfg, ckpt_path, run_info)
-    split = cfg.get("split", "test")
     if split == "val":
         # Lightning's test loop (its metrics, and the test step's test-time augmentation)
         # run on the held-out validation images instead of the test images.
@@ -134,12 +175,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         ckpt_path, map_location="cpu", weights_only=True, **overrides
     )
     convnet = not isinstance(module.net, VisionTransformer)  # no attention to study
-    if convnet and cfg.get("analysis"):
+    if convnet and analysis:
         raise ConfigError(
-            f"analysis={cfg.analysis} studies attention heads; {ckpt_path} is a convnet "
+            f"analysis={analysis} studies attention heads; {ckpt_path} is a convnet "
             "(model=cnn): leave analysis out"
         )
-    if cfg.get("analysis") == "circuits":
+    if analysis == "circuits":
         check_class_pairs(cfg.circuits.pairs, module.net.head.out_features)
     # The training precision, unless `precision=` says otherwise: bf16 and fp32 logits can
     # differ in the last bits, and the accuracy should match the training run's.
@@ -158,6 +199,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer, logger=loggers, precision=precision, accelerator=accelerator, **limit
     )
+
+    def quiet() -> L.Trainer:
+        # For the many evaluation passes of heads, roles and prune: no progress bars, no logger.
+        off = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+        return hydra.utils.instantiate(cfg.trainer, precision=precision, **limit, **off)
+
     results = trainer.test(module, datamodule=datamodule)[0]
     if not all(map(math.isfinite, results.values())):
         # Finite weights (read_checkpoint checks them) whose loss is not: damaged all the same.
@@ -171,32 +218,28 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     loader = datamodule.test_dataloader()
     logits, labels = predict(trainer, module, loader)
     images = torch.cat([batch[0] for batch in loader])[: len(labels)]
-    num_classes = logits.shape[1]
-    class_names = list(getattr(datamodule, "class_names", None) or map(str, range(num_classes)))
+    class_names = list(getattr(datamodule, "class_names", None) or map(str, range(logits.shape[1])))
     rows, cm = class_report(logits, labels, class_names)
     write_csv(out / "per_class.csv", rows)
-    dataset = getattr(datamodule, "name", type(datamodule).__name__)
-    cm_figure = confusion_matrix_figure(cm, class_names, f"{dataset} {split} set, {ckpt_path.name}")
+    writer = next(
+        (lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None
+    )
+    device = trainer.strategy.root_device
+    run = EvalRun(module, loader, images, labels, class_names, device, out, writer)
     grid, num_tiles = misclassified_grid(images, logits, labels, class_names)
-    save_png(grid, out / "misclassified.png")
+    run.publish(grid, "misclassified")
     relevance_grid, relevance_columns = (
         (None, 0)
         if convnet
         else misclassified_relevance_grid(module.net, images, logits, labels, class_names)
     )
     if relevance_grid is not None:
-        save_png(relevance_grid, out / "misclassified_relevance.png")
-    writer = next(
-        (lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None
-    )
-    if writer is not None:
-        writer.add_image("misclassified", grid)
-        if relevance_grid is not None:
-            writer.add_image("misclassified_relevance", relevance_grid)
-        for r in rows:
-            for key in ("accuracy", "precision", "recall"):
-                writer.add_scalar(f"{split}_per_class/{key}/{r['name']}", r[key])
-    publish(cm_figure, "confusion_matrix", out, writer)
+        run.publish(relevance_grid, "misclassified_relevance")
+    scores = ("accuracy", "precision", "recall")
+    run.scalars({f"{split}_per_class/{k}/{r['name']}": r[k] for r in rows for k in scores})
+    dataset = getattr(datamodule, "name", type(datamodule).__name__)
+    title = f"{dataset} {split} set, {ckpt_path.name}"
+    run.publish(confusion_matrix_figure(cm, class_names, title), "confusion_matrix")
 
     metrics = {
         **results,
@@ -206,13 +249,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "num_misclassified": int((logits.argmax(1) != labels).sum()),
         "misclassified_tiles": num_tiles,
         "misclassified_relevance_columns": relevance_columns,
-        "per_class": {
-            r["name"]: {k: r[k] for k in ("support", "accuracy", "precision", "recall")}
-            for r in rows
-        },
+        "per_class": {r["name"]: {k: r[k] for k in ("support", *scores)} for r in rows},
         "confusion_matrix": cm.tolist(),
         "ckpt_path": str(ckpt_path.resolve()),
-        "device": describe_device(trainer.strategy.root_device, trainer.world_size),
+        "device": describe_device(device, trainer.world_size),
         "precision": str(trainer.precision),
         "dataset": dataset,
         "data_source": getattr(datamodule, "source", None),
@@ -223,110 +263,61 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     acc, loss = results[f"{split}/acc"], results[f"{split}/loss"]
     print(f"{split}/acc = {acc:.4f}  ({split}/loss = {loss:.4f})")
 
-    # A quiet trainer for the many evaluation passes of heads and prune: no progress bars,
-    # no logger.
-    def quiet() -> L.Trainer:
-        return hydra.utils.instantiate(
-            cfg.trainer,
-            precision=precision,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            **limit,
-        )
-
-    if cfg.get("analysis") == "heads":
-        heads = analyse_heads(quiet(), module, loader, images, out, writer)
-        metrics["heads/spearman_grad_vs_ablation"] = heads.pop("spearman_grad_vs_ablation")
-        metrics["head_importance"] = heads
-    elif cfg.get("analysis") == "faithfulness":
+    if analysis == "heads":
+        metrics.update(analyse_heads(quiet(), run))
+    elif analysis == "faithfulness":
         settings = cfg.get("faithfulness") or {}
-        num_images = int(settings.get("num_images", 1000))
-        metrics.update(
-            analyse_faithfulness(
-                module.net,
-                images[:num_images],
-                labels[:num_images],
-                fill=float(getattr(datamodule, "background", 0.0)),
-                seed=int(settings.get("seed", 0)),
-                device=trainer.strategy.root_device,
-                out=out,
-                writer=writer,
-            )
-        )
-    elif cfg.get("analysis") == "roles":
-        mean, std = getattr(datamodule, "mean", 0.0), getattr(datamodule, "std", 1.0)
-        metrics["head_roles"] = analyse_roles(
-            quiet(), module, loader, images, images * std + mean, labels, class_names, out, writer
-        )
-    elif cfg.get("analysis") == "prune":
-        metrics.update(
-            analyse_pruning(quiet(), module, ckpt, datamodule, cfg.get("prune") or {}, out, writer)
-        )
-    elif cfg.get("analysis") == "circuits":
+        num_images, seed = int(settings.get("num_images", 1000)), int(settings.get("seed", 0))
+        fill = float(getattr(datamodule, "background", 0.0))
+        metrics.update(analyse_faithfulness(run, num_images, fill=fill, seed=seed))
+    elif analysis == "roles":
+        pixels = images * getattr(datamodule, "std", 1.0) + getattr(datamodule, "mean", 0.0)
+        metrics["head_roles"] = analyse_roles(quiet(), run, pixels)
+    elif analysis == "prune":
+        metrics.update(analyse_pruning(quiet(), run, ckpt, datamodule, cfg.get("prune") or {}))
+    elif analysis == "circuits":
         pairs = circuit_pairs(cm, cfg.circuits)
-        metrics.update(
-            analyse_circuits(
-                module.net,
-                images,
-                labels,
-                pairs,
-                class_names,
-                pair_images=int(cfg.circuits.pair_images),
-                device=trainer.strategy.root_device,
-                out=out,
-                writer=writer,
-            )
-        )
+        metrics.update(analyse_circuits(run, pairs, pair_images=int(cfg.circuits.pair_images)))
     if writer is not None:
         writer.flush()  # the figures above, on disk before evaluate returns
     return write_metrics(out / "metrics.json", metrics)
 
 
-def analyse_heads(trainer, module, loader, images, out: Path, writer) -> dict[str, Any]:
+def analyse_heads(trainer: L.Trainer, run: EvalRun) -> dict[str, Any]:
     """Head importance (ablation and gradient) and head statistics, written as CSV, PNG
     and TensorBoard scalars.
 
     Returns:
-        ``baseline``, ``heads`` (the CSV rows) and ``spearman_grad_vs_ablation``: the
-        Spearman rank correlation over all heads between the gradient importance and the
-        loss increase when the head is zeroed, in [-1, 1] (NaN when either is constant).
+        ``head_importance``: ``baseline`` (``acc``, ``loss``) and ``heads`` (the CSV rows),
+        and ``heads/spearman_grad_vs_ablation``: the Spearman rank correlation over all
+        heads between the gradient importance and the loss increase when the head is
+        zeroed, in [-1, 1] (NaN when either is constant).
     """
-    baseline, rows = head_importance(trainer, module, loader)
+    model = run.module.net
+    baseline, rows = head_importance(trainer, run.module, run.loader)
     # One backward pass per test batch, in float32 (Michel et al. 2019, eq. 2).
-    grad = gradient_head_importance(module.net, loader, device=trainer.strategy.root_device)
-    # Statistics on the first 1 000 test images: plenty for a per-head mean.
-    entropy, distance = head_statistics(module.net, images[:1000])
+    grad = gradient_head_importance(model, run.loader, device=trainer.strategy.root_device)
     for r in rows:
         r["grad_importance"] = round(float(grad[r["layer"], r["head"]]), 6)
-        r["entropy_nats"] = round(float(entropy[r["layer"], r["head"]]), 4)
-        r["mean_distance_px"] = round(float(distance[r["layer"], r["head"]]), 3)
-        if writer is not None:
-            tag = f"layer_{r['layer']}/head_{r['head']}"
-            writer.add_scalar(f"head_importance/acc_drop/{tag}", r["acc_drop"])
-            writer.add_scalar(f"head_importance/grad/{tag}", r["grad_importance"])
+    _add_head_statistics(model, run.images, rows)
+    tags = {"head_importance/acc_drop": "acc_drop", "head_importance/grad": "grad_importance"}
+    run.head_scalars(rows, tags)
     # Against the loss increase, not the accuracy drop: the gate gradient is the first-order
     # estimate of exactly that loss change, and on a ~99% model most heads' accuracy drops
     # are a few images, with ties that leave a rank correlation little to rank.
-    spearman = float(
-        spearman_corrcoef(
-            grad.flatten().double(),
-            torch.tensor([r["loss_increase"] for r in rows], dtype=torch.float64),
-        )
-    )
+    loss_increase = torch.tensor([r["loss_increase"] for r in rows], dtype=torch.float64)
+    spearman = float(spearman_corrcoef(grad.flatten().double(), loss_increase))
     log.info(
         "Spearman rank correlation of gradient head importance with the loss increase when "
         "the head is zeroed: %.3f (%d heads)",
         spearman,
         len(rows),
     )
-    if writer is not None:
-        writer.add_scalar("heads/spearman_grad_vs_ablation", spearman)
-    write_csv(out / "head_importance.csv", rows)
-    model = module.net
+    run.scalars({"heads/spearman_grad_vs_ablation": spearman})
+    write_csv(run.out / "head_importance.csv", rows)
     title = f"test accuracy {100 * baseline['acc']:.2f}%: drop when one head is zeroed"
     heads = max(block.attn.num_heads for block in model.blocks)
-    publish(head_importance_figure(rows, model.depth, heads, title), "head_importance", out, writer)
+    run.publish(head_importance_figure(rows, model.depth, heads, title), "head_importance")
     print(
         f"{'layer':>5} {'head':>4} {'acc':>7} {'drop':>7} {'loss_up':>8} {'grad':>8} "
         f"{'entropy':>8} {'dist_px':>8}"
@@ -337,51 +328,36 @@ def analyse_heads(trainer, module, loader, images, out: Path, writer) -> dict[st
             f"{r['loss_increase']:8.4f} {r['grad_importance']:8.4f} "
             f"{r['entropy_nats']:8.3f} {r['mean_distance_px']:8.2f}"
         )
-    return {"baseline": baseline, "heads": rows, "spearman_grad_vs_ablation": spearman}
+    return {
+        "heads/spearman_grad_vs_ablation": spearman,
+        "head_importance": {"baseline": baseline, "heads": rows},
+    }
 
 
-def analyse_roles(
-    trainer: L.Trainer,
-    module: ViTClassifier,
-    loader,
-    images: torch.Tensor,
-    pixels: torch.Tensor,
-    labels: torch.Tensor,
-    class_names: list[str],
-    out: Path,
-    writer,
-) -> list[dict[str, Any]]:
+def analyse_roles(trainer: L.Trainer, run: EvalRun, pixels: torch.Tensor) -> list[dict[str, Any]]:
     """What each head does (:mod:`vit_mnist.analysis.roles`): ``roles.csv``,
     ``roles.png``, ``roles_parts.png`` (the stroke ends and curves found on the first 20
     images) and TensorBoard (the two figures, scalars ``roles/<figure>/layer_<l>/head_<h>``).
 
     Args:
-        images: the split's images as the model takes them (N, C, H, W), normalised.
-        pixels: the same images in [0, 1], ink bright.
-        labels: their classes (N,) int64.
+        pixels: ``run.images`` in [0, 1], ink bright.
 
     Returns:
         The CSV's rows: ``layer``, ``head``, the role figures (``ROLE_COLUMNS``), and the
         per-class accuracy drops of :func:`class_head_importance`.
     """
-    rows = head_roles(module.net, images, pixels)
-    drops = class_head_importance(trainer, module, loader, class_names)
+    names = run.class_names
+    rows = head_roles(run.module.net, run.images, pixels)
+    drops = class_head_importance(trainer, run.module, run.loader, names)
     for row, drop in zip(rows, drops, strict=True):
         row.update({k: v for k, v in drop.items() if k not in ("layer", "head")})
-    write_csv(out / "roles.csv", rows)
-    figure = roles_figure(rows, class_names, f"what each head looks at, {len(images)} images")
-    if writer is not None:
-        for r in rows:
-            tag = f"layer_{r['layer']}/head_{r['head']}"
-            for key in (*ROLE_COLUMNS, "acc_drop"):
-                writer.add_scalar(f"roles/{key}/{tag}", r[key])
-    publish(figure, "roles", out, writer)
-    parts = parts_figure(
-        pixels[:20],
-        [class_names[int(c)] for c in labels[:20]],
-        "skeleton (white), stroke ends (red circles), curves (blue squares)",
-    )
-    publish(parts, "roles_parts", out, writer)
+    write_csv(run.out / "roles.csv", rows)
+    run.head_scalars(rows, {f"roles/{key}": key for key in (*ROLE_COLUMNS, "acc_drop")})
+    title = f"what each head looks at, {len(pixels)} images"
+    run.publish(roles_figure(rows, names, title), "roles")
+    title = "skeleton (white), stroke ends (red circles), curves (blue squares)"
+    shown = [names[int(c)] for c in run.labels[:20]]
+    run.publish(parts_figure(pixels[:20], shown, title), "roles_parts")
     print(
         f"{'layer':>5} {'head':>4} {'ink':>11} {'centre_px':>11} {'ends':>11} {'curves':>11} "
         f"{'dist_px':>7} {'entropy':>7} {'drop':>6}  most hurt"
@@ -403,13 +379,7 @@ def analyse_roles(
 
 
 def analyse_pruning(
-    trainer: L.Trainer,
-    module: ViTClassifier,
-    ckpt: dict[str, Any],
-    datamodule: L.LightningDataModule,
-    settings: Any,
-    out: Path,
-    writer,
+    trainer: L.Trainer, run: EvalRun, ckpt: dict[str, Any], datamodule, settings
 ) -> dict[str, Any]:
     """Head pruning (Michel et al. 2019, section 4): ``pruning.csv``, ``pruning.png``,
     TensorBoard, and the last step's model as ``pruned.ckpt``.
@@ -430,10 +400,8 @@ def analyse_pruning(
     Raises:
         ConfigError: a ``prune.*`` value that ``PruneSettings`` refuses.
     """
-    step_fraction = float(settings.get("step_fraction", 0.1))
-    max_fraction = float(settings.get("max_fraction", 0.75))
+    module, out = run.module, run.out
     hparams = dict(module.hparams)
-    test_loader = datamodule.test_dataloader()
 
     def build(net, args) -> ViTClassifier:
         pruned = ViTClassifier(**{**hparams, "model": args})
@@ -442,58 +410,48 @@ def analyse_pruning(
         return pruned
 
     def score(net, args) -> tuple[float, float]:
-        return accuracy_and_loss(trainer, build(net, args), test_loader)
+        return accuracy_and_loss(trainer, build(net, args), run.loader)
 
     rows, net, args = prune_iteratively(
         module.net,
         hparams["model"],
         datamodule.val_dataloader(),
         score,
-        step_fraction=step_fraction,
-        max_fraction=max_fraction,
+        step_fraction=float(settings.get("step_fraction", 0.1)),
+        max_fraction=float(settings.get("max_fraction", 0.75)),
         normalise=bool(settings.get("normalise", True)),
         device=trainer.strategy.root_device,
     )
     write_csv(out / "pruning.csv", rows)
-    pruned = build(net, args)
     # Lightning's own keys and the run info, the pruned weights and arguments; no optimizer,
     # scheduler or loop state: those belong to the unpruned model's training.
-    saved = {k: ckpt[k] for k in ("epoch", "global_step", "pytorch-lightning_version") if k in ckpt}
-    saved.update(
-        {
-            "state_dict": pruned.state_dict(),
-            "hparams_name": ckpt.get("hparams_name", "kwargs"),
-            "hyper_parameters": {**ckpt["hyper_parameters"], "model": args},
-            RUN_INFO_KEY: dict(ckpt.get(RUN_INFO_KEY, {})),
-            "pruned_heads": [r["removed"] for r in rows[1:]],
-        }
-    )
+    lightning = ("epoch", "global_step", "pytorch-lightning_version")
+    saved = {
+        **{k: ckpt[k] for k in lightning if k in ckpt},
+        "state_dict": build(net, args).state_dict(),
+        "hparams_name": ckpt.get("hparams_name", "kwargs"),
+        "hyper_parameters": {**ckpt["hyper_parameters"], "model": args},
+        RUN_INFO_KEY: dict(ckpt.get(RUN_INFO_KEY, {})),
+        "pruned_heads": [r["removed"] for r in rows[1:]],
+    }
     AtomicCheckpointIO().save_checkpoint(saved, out / "pruned.ckpt")
     count = sum(p.numel() for p in module.net.parameters())
     count_pruned = sum(p.numel() for p in net.parameters())
-    metrics: dict[str, Any] = {}
-    for pct in (0, 25, 50, 75):
-        acc = accuracy_at(rows, pct / 100)
-        if acc is not None:
-            metrics[f"pruning/acc_at_{pct}pct"] = acc
-    metrics.update(
-        {
-            "pruning/final_acc": rows[-1]["test_acc"],
-            "pruning/final_fraction": rows[-1]["fraction_removed"],
-            "pruning/params": count,
-            "pruning/params_pruned": count_pruned,
-            "pruning/num_heads": args["num_heads"],
-            "pruning/ckpt": str((out / "pruned.ckpt").resolve()),
-        }
-    )
+    metrics = {
+        **{f"pruning/acc_at_{pct}pct": accuracy_at(rows, pct / 100) for pct in (0, 25, 50, 75)},
+        "pruning/final_acc": rows[-1]["test_acc"],
+        "pruning/final_fraction": rows[-1]["fraction_removed"],
+        "pruning/params": count,
+        "pruning/params_pruned": count_pruned,
+        "pruning/num_heads": args["num_heads"],
+        "pruning/ckpt": str((out / "pruned.ckpt").resolve()),
+    }
     total = sum(block.attn.num_heads for block in module.net.blocks)
     per_step = rows[1]["heads_removed"] if len(rows) > 1 else 0
     title = f"head pruning: {total} heads, {per_step} per step (gradient importance, val set)"
-    figure = pruning_figure(rows, title)
-    if writer is not None:
-        for r in rows:
-            writer.add_scalar("pruning/test_acc", r["test_acc"], global_step=r["heads_removed"])
-    publish(figure, "pruning", out, writer)
+    for r in rows:
+        run.scalars({"pruning/test_acc": r["test_acc"]}, step=r["heads_removed"])
+    run.publish(pruning_figure(rows, title), "pruning")
     print(f"{'step':>4} {'removed':>7} {'fraction':>8} {'acc':>7} {'loss':>7}  heads removed")
     for r in rows:
         print(
@@ -504,7 +462,8 @@ def analyse_pruning(
         f"pruned.ckpt: heads per block {args['num_heads']}, "
         f"{count_pruned:,} of {count:,} parameters"
     )
-    return metrics
+    # acc_at_<pct>: left out when no step removed that share
+    return {k: v for k, v in metrics.items() if v is not None}
 
 
 def check_class_pairs(pairs, num_classes: int) -> None:
@@ -528,12 +487,8 @@ def circuit_pairs(cm: torch.Tensor, settings) -> list[tuple[int, int]]:
         return [(int(a), int(b)) for a, b in settings.pairs]
     errors = (cm + cm.T).triu(1)  # (K, K): errors between a and b, either way, a < b
     order = errors.flatten().argsort(descending=True)[: int(settings.num_pairs)]
-    pairs = []
-    for i in order.tolist():
-        a, b = divmod(i, cm.shape[0])
-        if errors[a, b] > 0:
-            pairs.append((a, b) if cm[a, b] >= cm[b, a] else (b, a))
-    return pairs
+    confused = [divmod(i, cm.shape[0]) for i in order.tolist()]
+    return [(a, b) if cm[a, b] >= cm[b, a] else (b, a) for a, b in confused if errors[a, b] > 0]
 
 
 def token_names(model: VisionTransformer) -> list[str]:
@@ -543,18 +498,7 @@ def token_names(model: VisionTransformer) -> list[str]:
     return prefix + [f"{r},{c}" for r in range(grid) for c in range(grid)]
 
 
-def analyse_circuits(
-    model: VisionTransformer,
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    pairs: list[tuple[int, int]],
-    class_names: list[str],
-    *,
-    pair_images: int,
-    device: torch.device,
-    out: Path,
-    writer,
-) -> dict[str, Any]:
+def analyse_circuits(run: EvalRun, pairs: list[tuple[int, int]], *, pair_images: int) -> dict:
     """What each head writes: direct logit attribution (per head and class), the logit
     lens and activation patching between class pairs, as CSV, PNG, TensorBoard and a
     terminal summary (:mod:`vit_mnist.analysis.logit_attribution`,
@@ -577,15 +521,16 @@ def analyse_circuits(
         block), ``circuits/pairs`` (the pairs patched, with their image counts) and
         ``circuits/num_images``.
     """
-    model.to(device)
+    model, images, labels, names = run.module.net, run.images, run.labels, run.class_names
+    model.to(run.device)
     try:
         attribution = direct_logit_attribution(model, images)
+        rows = attribution_rows(attribution, labels, names)
+        _add_head_statistics(model, images, rows)  # where a head looks, beside what it writes
         lens = logit_lens(model, images, labels)
-        entropy, distance = head_statistics(model, images[:1000])
-        predicted = lens.predictions[:, -1]
+        right = lens.predictions[:, -1] == labels
         patched = []
         for a, b in pairs:
-            right = predicted == labels
             clean = images[right & (labels == a)][:pair_images]
             corrupted = images[right & (labels == b)][:pair_images]
             n = min(len(clean), len(corrupted))
@@ -596,54 +541,31 @@ def analyse_circuits(
             patched.append(((a, b, n), result))
     finally:
         model.cpu()
-    names = class_names
-    rows = attribution_rows(attribution, labels, names)
-    for row in rows:  # where a head looks, beside what it writes
-        head = row["head"] != ""
-        row["entropy_nats"] = round(float(entropy[row["layer"], row["head"]]), 4) if head else ""
-        row["mean_distance_px"] = (
-            round(float(distance[row["layer"], row["head"]]), 3) if head else ""
-        )
-    write_csv(out / "circuits_heads.csv", rows)
-    write_csv(out / "circuits_lens.csv", lens.rows(names))
-
+    write_csv(run.out / "circuits_heads.csv", rows)
+    write_csv(run.out / "circuits_lens.csv", lens.rows(names))
     tokens = token_names(model)
     patch_rows = [
         {"clean": names[a], "corrupted": names[b], "pairs": n, **row}
         for (a, b, n), result in patched
         for row in result.rows(tokens)
     ]
-    write_csv(out / "circuits_patching.csv", patch_rows)
-    split_size = f"{len(images)} images"
-    publish(
-        attribution_figure(
-            model,
-            attribution,
-            margin_attribution(attribution, labels)[1],
-            labels,
-            names,
-            f"direct logit attribution to the margin over the runner-up class, {split_size}",
-        ),
-        "circuits_attribution",
-        out,
-        writer,
-    )
-    publish(lens_figure(lens, names, f"logit lens, {split_size}"), "circuits_lens", out, writer)
+    write_csv(run.out / "circuits_patching.csv", patch_rows)
+    margin = margin_attribution(attribution, labels)[1]
+    title = f"direct logit attribution to the margin over the runner-up class, {len(images)} images"
+    figure = attribution_figure(model, attribution, margin, labels, names, title)
+    run.publish(figure, "circuits_attribution")
+    run.publish(lens_figure(lens, names, f"logit lens, {len(images)} images"), "circuits_lens")
     if patched:
         labelled = [(f"{names[a]} vs {names[b]} ({n} pairs)", r) for (a, b, n), r in patched]
         by_head, by_token = patching_figures(
             model, labelled, tokens, "activation patching: share of logit_a - logit_b"
         )
-        publish(by_head, "circuits_patching", out, writer)
-        publish(by_token, "circuits_patching_tokens", out, writer)
-    if writer is not None:
-        for r in rows:
-            if r["head"] != "":
-                tag = f"layer_{r['layer']}/head_{r['head']}"
-                writer.add_scalar(f"circuits/to_margin/{tag}", r["to_margin"])
-        for layer in range(model.depth):
-            writer.add_scalar("circuits/lens_accuracy", float(lens.accuracy[layer]), layer)
-            writer.add_scalar("circuits/lens_agreement", float(lens.agreement[layer]), layer)
+        run.publish(by_head, "circuits_patching")
+        run.publish(by_token, "circuits_patching_tokens")
+    run.head_scalars(rows, {"circuits/to_margin": "to_margin"})
+    for layer in range(model.depth):
+        lens_at = {"accuracy": lens.accuracy[layer], "agreement": lens.agreement[layer]}
+        run.scalars({f"circuits/lens_{k}": float(v) for k, v in lens_at.items()}, layer)
     _print_circuits(rows, lens, patched, names)
     return {
         "circuits/num_images": len(images),
@@ -681,52 +603,41 @@ def _print_circuits(rows, lens, patched, names) -> None:
         )
 
 
-def analyse_faithfulness(
-    model,
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    fill: float,
-    seed: int,
-    device: torch.device,
-    out: Path,
-    writer,
-) -> dict[str, Any]:
-    """The perturbation test of every explanation method on ``images``, written as
-    ``faithfulness.csv``, ``faithfulness.png`` and TensorBoard.
+def analyse_faithfulness(run: EvalRun, num_images: int, *, fill: float, seed: int) -> dict:
+    """The perturbation test of every explanation method on the first ``num_images`` of
+    ``run.images``, written as ``faithfulness.csv``, ``faithfulness.png`` and TensorBoard.
 
-    The model is moved to ``device`` for the test and back to the CPU afterwards.
+    Blanked patches take the value ``fill`` (the normalised background); ``seed`` seeds
+    the random baseline. The model is moved to ``run.device`` for the test and back to the
+    CPU afterwards.
 
     Returns:
         ``faithfulness/<method>/positive_auc`` and ``.../negative_auc`` (areas in [0, 1]
         under accuracy vs. fraction of patches blanked) and ``faithfulness/num_images``.
     """
-    model.to(device)
+    model, images, labels = run.module.net, run.images[:num_images], run.labels[:num_images]
+    model.to(run.device)
     try:
         scores = explanation_maps(model, images, seed=seed)
         result = perturbation_test(model, images, labels, scores, fill=fill)
     finally:
         model.cpu()
     rows = result.rows()
-    write_csv(out / "faithfulness.csv", rows)
-    figure = faithfulness_figure(
-        result,
+    write_csv(run.out / "faithfulness.csv", rows)
+    keys = ("positive_auc", "negative_auc")
+    aucs = {f"faithfulness/{r['method']}/{k}": r[k] for r in rows for k in keys}
+    run.scalars(aucs)
+    title = (
         f"perturbation test on {result.num_images} test images: blanked patches take the "
-        f"black background ({fill:.4f} normalised)",
+        f"black background ({fill:.4f} normalised)"
     )
-    metrics: dict[str, Any] = {"faithfulness/num_images": result.num_images}
-    for r in rows:
-        for key in ("positive_auc", "negative_auc"):
-            metrics[f"faithfulness/{r['method']}/{key}"] = r[key]
-            if writer is not None:
-                writer.add_scalar(f"faithfulness/{r['method']}/{key}", r[key])
-    publish(figure, "faithfulness", out, writer)
+    run.publish(faithfulness_figure(result, title), "faithfulness")
     print(f"perturbation test on {result.num_images} test images ({len(result.fractions)} steps)")
     print(f"{'method':>10} {'positive_auc':>13} {'negative_auc':>13}")
     for r in rows:
         print(f"{r['method']:>10} {r['positive_auc']:13.4f} {r['negative_auc']:13.4f}")
     print("(positive: most relevant patches blanked first, lower is better; negative: higher)")
-    return metrics
+    return {"faithfulness/num_images": result.num_images, **aucs}
 
 
 @exit_on_user_error
