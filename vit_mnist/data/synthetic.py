@@ -41,16 +41,9 @@ class SyntheticDataModule(InMemoryDataModule):
         on_device: bool = True,
         augment: dict | None = None,
     ) -> None:
-        super().__init__(
-            batch_size=batch_size,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            on_device=on_device,
-            augment=augment,
-        )
+        super().__init__(batch_size, num_workers, pin_memory, augment, on_device)
         self.sizes = (num_train, num_val, num_test)
-        self.noise = noise
-        self.seed = seed
+        self.noise, self.seed = noise, seed
 
     def prepare_data(self) -> None:
         self.source = "synthetic"

@@ -10,7 +10,6 @@ from pathlib import Path
 def cache_root() -> Path:
     """Where the speed layer keeps the kernels it builds: ``$VIT_MNIST_CACHE``, else
     ``$XDG_CACHE_HOME/vit_mnist``, else ``~/.cache/vit_mnist``."""
-    root = os.environ.get("VIT_MNIST_CACHE")
-    if root:
+    if root := os.environ.get("VIT_MNIST_CACHE"):
         return Path(root)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vit_mnist"

@@ -126,6 +126,7 @@ def _core(
 
 # In PATH_NAMES' order. Every path but the reference runs the last block for the CLS token
 # only and the patch embedding as a matrix product (vit_mnist/speed/forward.py).
+_NATIVE = _core(native.native_core, native.add_norm)
 PATHS: dict[str, TrainingPath] = dict(
     zip(
         PATH_NAMES,
@@ -135,9 +136,7 @@ PATHS: dict[str, TrainingPath] = dict(
             TrainingPath(_core(handwritten_backward_core)),  # the backward written out
             TrainingPath(_compiled, _compile_unavailable, compiles=True),  # inductor
             # C++ kernels: attention (AVX2, AVX-512), residual add + LayerNorm (AVX-512).
-            TrainingPath(
-                _core(native.native_core, native.add_norm), _native_unavailable, _native_unsupported
-            ),
+            TrainingPath(_NATIVE, _native_unavailable, _native_unsupported),
         ],
         strict=True,
     )
@@ -227,7 +226,8 @@ def time_candidates(
     step is the loop's: ``augment`` of a random batch of ``batch_size`` images, forward,
     cross-entropy, backward, fused AdamW (docs/speed.md, "How auto chooses"). Runs on a copy
     of ``net`` and restores the random-number state: the run that follows is unchanged."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
         model = copy.deepcopy(net).to(device).train()
         images = torch.randn(
             batch_size, model.in_chans, model.img_size, model.img_size, device=device
@@ -235,10 +235,10 @@ def time_candidates(
         labels = torch.randint(0, model.head.out_features, (batch_size,), device=device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         forwards = {p: PATHS[p].build(model) for p, _ in pairs}
+        sync = functools.partial(torch.cuda.synchronize, device) if cuda else lambda: None
 
         def seconds_per_step(pair: Pair, n: int) -> float:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync()
             start = time.perf_counter()
             for _ in range(n):
                 batch = images if augment is None else augment(images)
@@ -247,8 +247,7 @@ def time_candidates(
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync()
             return (time.perf_counter() - start) / n
 
         step_s = {pair: seconds_per_step(pair, 1) for pair in pairs}

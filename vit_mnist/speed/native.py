@@ -8,7 +8,6 @@ dropout, tracing) run on PyTorch operations. docs/speed.md has the figures."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
@@ -35,6 +34,7 @@ MAX_NORM_DIM = 256  # a LayerNorm row of up to 16 vectors stays in registers
 FLAGS = ("-std=c++17", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 TARGET_FLAGS = {"AVX-512": (), "AVX2": ("-mno-avx512f",)}  # added to FLAGS per target
 LANES = {"AVX-512": 16, "AVX2": 8}  # the attention kernel's vector width in floats
+_TARGETS = {"AVX2": "AVX2", "AVX-512": "AVX-512", "AVX512-BF16": "AVX-512", "AMX": "AVX-512"}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 FAILURES: dict[str, str] = {}  # library name -> why its build or load failed in this process
 
@@ -43,9 +43,7 @@ def build_target() -> str | None:
     """What the kernels are built for: ``"AVX-512"`` where PyTorch's own CPU kernels run
     AVX-512, ``"AVX2"`` where they run AVX2 (an AVX2 CPU, or an AVX-512 one under
     ``ATEN_CPU_CAPABILITY=avx2``), else None (ARM, an older x86)."""
-    return {"AVX2": "AVX2", "AVX-512": "AVX-512", "AVX512-BF16": "AVX-512", "AMX": "AVX-512"}.get(
-        isa_class()
-    )
+    return _TARGETS.get(isa_class())
 
 
 def lanes() -> int:
@@ -75,17 +73,12 @@ def build(kernel: str, defines: tuple[str, ...]) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # A temporary name, then renamed: no reader (another DDP process) sees half a library.
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        cmd = [cxx, *FLAGS, *defines, str(SOURCES[kernel]), "-o", tmp]
+    with tempfile.TemporaryDirectory(dir=target.parent, suffix=".tmp") as tmp:
+        cmd = [cxx, *FLAGS, *defines, str(SOURCES[kernel]), "-o", f"{tmp}/{target.name}"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, target)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        os.replace(f"{tmp}/{target.name}", target)
     return target
 
 
@@ -294,10 +287,7 @@ class AddLayerNorm(torch.autograd.Function):
 def native_core(attn, q_src: torch.Tensor, kv_src: torch.Tensor | None = None) -> torch.Tensor:
     """An :data:`~vit_mnist.speed.forward.AttentionCore`: the attention kernel where it
     takes the inputs and a backward follows, the model's own arithmetic otherwise."""
-    heads = attn.num_heads
-    lib = (
-        kernel_for(q_src, kv_src, heads) if written_backward_applies(attn, q_src, kv_src) else None
-    )
-    if lib is not None:
-        return FusedCPUAttention.apply(lib, q_src, kv_src, heads, attn.scale, attn.causal)
+    applies = written_backward_applies(attn, q_src, kv_src)
+    if applies and (lib := kernel_for(q_src, kv_src, attn.num_heads)) is not None:
+        return FusedCPUAttention.apply(lib, q_src, kv_src, attn.num_heads, attn.scale, attn.causal)
     return reference_core(attn, q_src, kv_src)
