@@ -222,6 +222,28 @@ def test_circuits_analysis(synthetic_ckpt, tmp_path):
     assert "circuits/lens_accuracy" in series
 
 
+def test_circuits_with_no_pair_to_patch_writes_the_header(synthetic_ckpt, tmp_path, monkeypatch):
+    """No correctly classified image of a pair's classes: a warning, and a patching file of
+    its header alone (it raised IndexError)."""
+    import vit_mnist.evaluate as evaluate_module
+
+    real = evaluate_module.logit_lens
+
+    def nothing_right(model, images, labels):
+        lens = real(model, images, labels)
+        lens.predictions[:, -1] = -1
+        return lens
+
+    monkeypatch.setattr(evaluate_module, "logit_lens", nothing_right)
+    ckpt, _ = synthetic_ckpt
+    overrides = [f"ckpt_path={ckpt}", "trainer=cpu", "analysis=circuits", "split=val"]
+    metrics = evaluate(compose_config("eval", overrides + ["circuits.pairs=[[0,1]]"], tmp_path))
+    assert metrics["circuits/pairs"] == []
+    header = (tmp_path / "circuits_patching.csv").read_text().splitlines()
+    assert header == ["clean,corrupted,pairs,direction,kind,layer,head,token,score"]
+    assert not (tmp_path / "circuits_patching.png").exists()
+
+
 def test_circuits_refuses_a_class_the_model_lacks(synthetic_ckpt, tmp_path):
     ckpt, _ = synthetic_ckpt
     overrides = [f"ckpt_path={ckpt}", "trainer=cpu", "analysis=circuits", "circuits.pairs=[[3,12]]"]

@@ -32,6 +32,7 @@ from vit_mnist.analysis.logit_attribution import (
 )
 from vit_mnist.analysis.logit_lens import lens_figure, logit_lens
 from vit_mnist.analysis.patching import DIRECTIONS, activation_patching, patching_figures
+from vit_mnist.analysis.patching import ROW_COLUMNS as PATCHING_COLUMNS
 from vit_mnist.analysis.per_class import (
     accuracy_and_loss,
     class_report,
@@ -549,7 +550,9 @@ def analyse_circuits(run: EvalRun, pairs: list[tuple[int, int]], *, pair_images:
         for (a, b, n), result in patched
         for row in result.rows(tokens)
     ]
-    write_csv(run.out / "circuits_patching.csv", patch_rows)
+    # The columns named: with no pair patched (a warning above), the file is its header.
+    columns = ["clean", "corrupted", "pairs", *PATCHING_COLUMNS]
+    write_csv(run.out / "circuits_patching.csv", patch_rows, columns)
     margin = margin_attribution(attribution, labels)[1]
     title = f"direct logit attribution to the margin over the runner-up class, {len(images)} images"
     figure = attribution_figure(model, attribution, margin, labels, names, title)

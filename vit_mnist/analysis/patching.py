@@ -37,6 +37,10 @@ DIRECTIONS = ("denoising", "noising")
 KINDS = ("heads", "heads_by_position", "mlp", "resid", "resid_all")
 
 
+# The columns of :meth:`PatchingResult.rows`, in order.
+ROW_COLUMNS = ("direction", "kind", "layer", "head", "token", "score")
+
+
 @dataclass
 class PatchingResult:
     """Logit differences of every patched run, per pair.
