@@ -316,7 +316,8 @@ def _ensure(root, download, *, folder, md5, offline, offline_name, offline_sourc
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - any network failure means: try the next source
-        log.warning("%s: torchvision's download failed (%s)", folder, str(e).splitlines()[0][:200])
+        why = (str(e).splitlines() or [type(e).__name__])[0][:200]  # a message may be empty
+        log.warning("%s: torchvision's download failed (%s)", folder, why)
     # A failed download can leave partial archives behind; the offline source does not need them.
     for leftover in raw.glob("*.gz"):
         leftover.unlink(missing_ok=True)
