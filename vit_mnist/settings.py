@@ -470,19 +470,16 @@ def known_keys(schema: type[Section], section: str) -> list[str]:
     return _names(cls) if cls is not None else []
 
 
-def is_open(schema: type[Section], section: str) -> bool:
-    """Whether ``section`` takes keys that the schema does not declare: any argument of the
-    class its ``_target_`` names (``+trainer.gradient_clip_val=1.0``), checked by name."""
-    parent, _, name = section.rpartition(".")
-    cls = _section(schema, parent)
-    field = cls.model_fields.get(name) if cls is not None else None
-    if field is None:
-        return False
-    sub = _section_class(field.annotation)
-    if sub is None:  # a free dict such as logger
-        kinds = (field.annotation, *typing.get_args(field.annotation))
-        return any(k is dict or typing.get_origin(k) is dict for k in kinds)
-    return sub.model_config.get("extra") == "allow"
+def _is_open(schema: type[Section], name: str) -> bool:
+    """Whether the top-level section ``name`` takes keys the schema does not declare: any
+    argument of the class its ``_target_`` names (``+trainer.gradient_clip_val=1.0``),
+    checked by name, or any key of a free dict (``logger``)."""
+    field = schema.model_fields.get(name)
+    sub = _section_class(field.annotation) if field else None
+    if sub is not None:
+        return sub.model_config.get("extra") == "allow"
+    kinds = (field.annotation, *typing.get_args(field.annotation)) if field else ()
+    return any(k is dict or typing.get_origin(k) is dict for k in kinds)
 
 
 def unknown_key(
@@ -502,7 +499,7 @@ def unknown_key(
     where = f"a setting of {section}" if section else "a top-level setting"
     close = difflib.get_close_matches(name, list(candidates), n=1)
     # An open section's class may take the key although the schema does not declare it.
-    open_section = bool(section) and value is not None and is_open(schema, section.split(".")[0])
+    open_section = bool(section) and value is not None and _is_open(schema, section.split(".")[0])
     if close:
         nearest = f"{section}.{close[0]}" if section else close[0]
         if value is None:
