@@ -1,11 +1,12 @@
-"""Checkpoints: reading them safely, resolving ``latest``, rebuilding the data they were
-trained on, writing them atomically, and saving one on interrupt."""
+"""Checkpoints: reading them safely, resolving ``latest``, resuming (``ckpt_path``) or starting
+from one (``init_from``), rebuilding the data they were trained on, writing them atomically."""
 
 from __future__ import annotations
 
 import io
 import json
 import logging
+import os
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
@@ -42,15 +45,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"{type(self).__name__} takes no storage_options")
         buffer = io.BytesIO()
         torch.save(checkpoint, buffer)
-        path = Path(path)
         try:
             atomic_write_bytes(path, buffer.getvalue())
         except WriteError as e:
-            last = path.with_name("last.ckpt")
+            last = Path(path).with_name("last.ckpt")
             hint = f" Make room, then resume: {resume_command(last)}" if last.is_file() else ""
-            error = WriteError(f"{e}.{hint}")
-            error.errno = e.errno
-            raise error from e
+            raise WriteError(f"{e}.{hint}", e.errno) from e
 
 
 # Model arguments that change neither the parameters nor the function computed: explicit
@@ -100,9 +100,7 @@ def resolve_latest(
     if str(value) != "latest":
         return Path(value)
     found = sorted(
-        (p for p in Path(log_dir).rglob(pattern) if p.is_file()),
-        key=lambda p: p.stat().st_mtime,
-        reverse=True,
+        filter(Path.is_file, Path(log_dir).rglob(pattern)), key=os.path.getmtime, reverse=True
     )
     if not found:
         raise CheckpointError(
@@ -111,7 +109,7 @@ def resolve_latest(
     if model is None:
         log.info("ckpt_path=latest -> %s", found[0])
         return found[0]
-    newest_differences: list[str] | None = None
+    detail = None  # how the newest readable one differs
     for path in found:
         try:
             stored = read_checkpoint(path)["hyper_parameters"]["model"]
@@ -121,13 +119,8 @@ def resolve_latest(
         if not differences:
             log.info("ckpt_path=latest -> %s", path)
             return path
-        if newest_differences is None:
-            newest_differences = [str(path), *differences]
-    detail = (
-        f"the newest, {newest_differences[0]}, differs in {'; '.join(newest_differences[1:])}"
-        if newest_differences
-        else "none of them can be read"
-    )
+        detail = detail or f"the newest, {path}, differs in {'; '.join(differences)}"
+    detail = detail or "none of them can be read"
     raise CheckpointError(
         f"ckpt_path=latest: none of the {len(found)} {pattern} under {log_dir} was trained "
         f"with this model ({detail}); give ckpt_path=PATH, or the model settings it was "
@@ -149,8 +142,8 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     if path.is_dir():
-        found = sorted(p.relative_to(path) for p in path.rglob("*.ckpt"))[:3]
-        hint = ", e.g. " + ", ".join(str(path / f) for f in found) if found else ""
+        found = sorted(path.rglob("*.ckpt"))[:3]
+        hint = ", e.g. " + ", ".join(map(str, found)) if found else ""
         raise CheckpointError(f"checkpoint {path} is a folder; give a .ckpt file inside it{hint}")
     if not path.is_file():
         raise CheckpointError(
@@ -264,12 +257,8 @@ def check_teacher(
         test_acc = float(run_metrics["test/acc"])
     except (OSError, ValueError, KeyError, TypeError):
         test_acc = None
-    return {
-        "ckpt": str(teacher_ckpt),
-        "dataset": theirs,
-        "val_acc_best": ckpt.get("val_acc_best"),
-        "test_acc": test_acc,
-    }
+    best = ckpt.get("val_acc_best")
+    return dict(ckpt=str(teacher_ckpt), dataset=theirs, val_acc_best=best, test_acc=test_acc)
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> Path:
@@ -326,53 +315,52 @@ def resume_command(ckpt: Path | None) -> str:
     ``hydra.*`` overrides come too (its run dir; ``hydra.mode=RUN`` over an experiment that
     sweeps, such as ``heads_sweep``), and one job of a sweep resumes as a run in its folder.
     """
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
+    overrides = []  # none outside @hydra.main (tests, notebooks)
+    if HydraConfig.initialized():
         hydra_cfg = HydraConfig.get()
         overrides = list(hydra_cfg.overrides.task)
         if hydra_cfg.mode == RunMode.MULTIRUN:
             overrides += [f"hydra.run.dir={hydra_cfg.runtime.output_dir}", "hydra.mode=RUN"]
         else:
             overrides += list(hydra_cfg.overrides.hydra)
-    except ValueError:  # not started by @hydra.main (tests, notebooks)
-        overrides = []
     if ckpt is not None:
         overrides = [o for o in overrides if not o.startswith("ckpt_path=")]
         overrides.append(f"ckpt_path={ckpt}")
-    return shlex.join([*_this_program(), *overrides])
-
-
-def _this_program() -> list[str]:
-    """How the user started this program: ``python train.py`` (as typed, with its folder)
-    or a console script such as ``vit-mnist-train``, which works from any folder."""
+    # How the user started this program: `python train.py` (as typed, with its folder) or a
+    # console script such as `vit-mnist-train`, which works from any folder.
     program = sys.argv[0] if sys.argv and sys.argv[0] else "train.py"
-    if program.endswith(".py"):
-        return ["python", program]
-    return [Path(program).name]
+    started = ["python", program] if program.endswith(".py") else [Path(program).name]
+    return shlex.join([*started, *overrides])
 
 
 @dataclass
 class Resume:
     """What ``ckpt_path`` resumes: the checkpoint (None: a new run), its global step, and
-    the ``module`` settings it keeps over the config's (Lightning restores the optimizer and
-    its schedule, whose state holds them): ``ViTClassifier`` arguments."""
+    the ``module`` settings (``ViTClassifier`` arguments) it keeps over the config's
+    (:data:`RESUMED_MODULE_KEYS`)."""
 
     path: Path | None = None
     start_step: int = 0
     module: dict[str, Any] = field(default_factory=dict)
 
 
+# The module settings a resume takes from the checkpoint: Lightning restores the optimizer
+# and the learning-rate schedule (their state holds these), whatever the command line says.
+RESUMED_MODULE_KEYS = ("lr", "weight_decay", "betas", "warmup_epochs", "min_lr_ratio")
+
+
 def resume_checkpoint(cfg: DictConfig) -> Resume:
     """For ``ckpt_path=PATH`` (or ``latest``): the checkpoint to resume, its global step and
-    the module settings it keeps (:func:`_kept_by_resume`); an empty :class:`Resume`
-    without ``ckpt_path``. ``cfg`` is not changed.
+    the module settings it keeps (its :data:`RESUMED_MODULE_KEYS` that differ from
+    ``cfg.module``'s); an empty :class:`Resume` without ``ckpt_path``. Each kept setting is
+    named in one warning line and recorded beside the composed config, in the run's
+    ``.hydra/resumed.yaml`` (``module.<key>``: ``asked`` and ``kept``); ``cfg`` and
+    ``.hydra/config.yaml`` stay what the user composed.
 
     Raises:
         ConfigError: the checkpoint was trained with another model than ``cfg.model``, or
-            with another ``data.batch_size``, or for more epochs than
-            ``trainer.max_epochs``.
+            for more epochs than ``trainer.max_epochs``, or with another ``data.batch_size``
+            (the schedule's step count and the epoch's batches were laid out for its own).
         CheckpointError: see :func:`read_checkpoint`.
     """
     if cfg.get("ckpt_path") is None:
@@ -380,7 +368,8 @@ def resume_checkpoint(cfg: DictConfig) -> Resume:
     model_args = OmegaConf.to_container(cfg.model, resolve=True)
     path = resolve_latest(cfg.ckpt_path, cfg.paths.log_dir, "last.ckpt", model_args)
     ckpt = read_checkpoint(path)  # a clear error for a missing or foreign file
-    differences = model_differences(ckpt["hyper_parameters"]["model"], model_args)
+    saved = ckpt["hyper_parameters"]
+    differences = model_differences(saved["model"], model_args)
     if differences:
         raise ConfigError(
             f"ckpt_path={path} was trained with another model: {'; '.join(differences)}. "
@@ -394,26 +383,6 @@ def resume_checkpoint(cfg: DictConfig) -> Resume:
             f"{max_epochs}: set trainer.max_epochs above {epochs} to train on, or leave "
             "ckpt_path out to start a new run"
         )
-    return Resume(path, int(ckpt.get("global_step", 0)), _kept_by_resume(cfg, ckpt, path))
-
-
-# The module settings a resume takes from the checkpoint: Lightning restores the optimizer
-# and the learning-rate schedule (their state holds these), whatever the command line says.
-RESUMED_MODULE_KEYS = ("lr", "weight_decay", "betas", "warmup_epochs", "min_lr_ratio")
-
-
-def _kept_by_resume(cfg: DictConfig, ckpt: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The checkpoint's optimizer and schedule settings that differ from ``cfg.module``'s:
-    the run trains with them (Lightning restores the optimizer and its schedule). Each is
-    named in one warning line and recorded beside the composed config, in the run's
-    ``.hydra/resumed.yaml`` (``module.<key>``: ``asked`` and ``kept``); ``cfg`` and
-    ``.hydra/config.yaml`` stay what the user composed.
-
-    Raises:
-        ConfigError: ``data.batch_size`` differs from the checkpoint's: the schedule's step
-            count and the epoch's batches were laid out for the checkpoint's.
-    """
-    saved = ckpt.get("hyper_parameters", {})
     batch_size = ckpt.get(RUN_INFO_KEY, {}).get("data", {}).get("batch_size")
     if batch_size is not None and batch_size != cfg.data.batch_size:
         raise ConfigError(
@@ -439,7 +408,7 @@ def _kept_by_resume(cfg: DictConfig, ckpt: dict[str, Any], path: Path) -> dict[s
             path,
             path,
         )
-    return kept
+    return Resume(path, int(ckpt.get("global_step", 0)), kept)
 
 
 # Model arguments that a run started from a checkpoint's weights can take over them: they
@@ -451,8 +420,6 @@ _OVER_WEIGHTS = frozenset({"dropout", "attn_dropout", "drop_path_rate"}) | _NOT_
 def _model_keys_given() -> set[str]:
     """The ``model.*`` keys the command line sets (``model.depth=3``, ``+model.x=1``), and
     ``arch`` for a ``model=NAME``; empty outside Hydra."""
-    from hydra.core.hydra_config import HydraConfig
-
     if not HydraConfig.initialized():
         return set()
     given = set()
@@ -521,6 +488,5 @@ def model_to_start_from(cfg: DictConfig) -> StartFrom | None:
     if kept:
         log.warning("init_from=%s: the checkpoint's model trains: %s", path, ", ".join(kept))
     log.info("init_from=%s: model %s, training from epoch 0", path, model)
-    prefix = "net."
-    weights = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
-    return StartFrom(model, weights)
+    net = {k.removeprefix("net."): v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
+    return StartFrom(model, net)

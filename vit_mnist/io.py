@@ -30,7 +30,11 @@ log = logging.getLogger(__name__)
 class WriteError(OSError):
     """A file that cannot be written (full disk, no permission); the message names it and
     says that the previous file, if there was one, is kept. Reported in one line
-    (:data:`vit_mnist.errors.USER_ERRORS`)."""
+    (:data:`vit_mnist.errors.USER_ERRORS`), with the ``errno`` of the failed call if given."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)  # OSError(errno, message) would print "[Errno N] message"
+        self.errno = errno
 
 
 def printable_path(path: str | Path) -> str:
@@ -68,28 +72,23 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             permission); the message names ``path``. The temporary file is removed and an
             earlier ``path`` is left as it was.
     """
-    path = Path(path)
-    tmp = None
+    path, tmp = Path(path), None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
         # O_EXCL: a name no other writer holds; 0o666: the umask applies, as for open().
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
         if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError) and not isinstance(e, WriteError):
-            kept = "the previous file is kept" if path.exists() else "nothing was written"
-            reason = e.strerror or str(e)
-            error = WriteError(f"cannot write {path}: {reason}; {kept}")
-            error.errno = e.errno
-            raise error from e
-        raise
+            tmp.unlink(missing_ok=True)
+        if not isinstance(e, OSError):
+            raise
+        kept = "the previous file is kept" if path.exists() else "nothing was written"
+        raise WriteError(f"cannot write {path}: {e.strerror or e}; {kept}", e.errno) from e
 
 
 def _plain(value: Any) -> Any:
@@ -108,9 +107,18 @@ def write_metrics(path: str | Path, metrics: dict[str, Any]) -> dict[str, Any]:
         into strings (JSON has no NaN).
     """
     clean = {k: _plain(v) for k, v in metrics.items()}
-    atomic_write_bytes(Path(path), (json.dumps(clean, indent=2, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(path, (json.dumps(clean, indent=2, sort_keys=True) + "\n").encode())
     log.info("Metrics written to %s", path)
     return clean
+
+
+def _csv_bytes(rows: Sequence[dict[str, Any]], columns: Sequence[str], header: bool) -> bytes:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(columns))
+    if header:
+        writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue().encode()
 
 
 def write_csv(
@@ -120,11 +128,7 @@ def write_csv(
 
     ``columns`` defaults to the first row's keys (then ``rows`` must not be empty).
     """
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(columns or rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_bytes(Path(path), buffer.getvalue().encode())
+    atomic_write_bytes(path, _csv_bytes(rows, columns or list(rows[0]), header=True))
 
 
 def append_csv_rows(
@@ -143,25 +147,17 @@ def append_csv_rows(
         WriteError: the file cannot be written (full disk, no permission); names ``path``.
     """
     path = Path(path)
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(columns))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists() or path.stat().st_size == 0:
-            writer.writeheader()
-        writer.writerows(rows)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
-        try:
-            data = memoryview(buffer.getvalue().encode())
-            while data:  # os.write may take less than all of it (a full disk)
-                data = data[os.write(fd, data) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        data = _csv_bytes(rows, columns, header=not path.exists() or path.stat().st_size == 0)
+        with path.open("ab") as f:  # O_APPEND, 0666 less the umask
+            f.write(data)  # a buffered write loops until all is out (or the disk is full)
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as e:
-        error = WriteError(f"cannot write {path}: {e.strerror or e}; the rows before are kept")
-        error.errno = e.errno
-        raise error from e
+        raise WriteError(
+            f"cannot write {path}: {e.strerror or e}; the rows before are kept", e.errno
+        ) from e
 
 
 def save_png(image: torch.Tensor, path: str | Path) -> None:
@@ -180,4 +176,4 @@ def save_figure(fig, path: str | Path) -> None:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     plt.close(fig)
-    atomic_write_bytes(Path(path), buffer.getvalue())
+    atomic_write_bytes(path, buffer.getvalue())

@@ -3,6 +3,7 @@ during training."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import lightning as L
@@ -32,14 +33,8 @@ def panel_indices(labels: torch.Tensor, num_images: int) -> list[int]:
         num_images: panel size; fewer when the dataset is smaller.
     """
     by_class = [torch.nonzero(labels == c).flatten().tolist() for c in labels.unique().tolist()]
-    chosen: list[int] = []
-    depth = 0
-    while len(chosen) < min(num_images, len(labels)):
-        for indices in by_class:
-            if depth < len(indices) and len(chosen) < num_images:
-                chosen.append(indices[depth])
-        depth += 1
-    return chosen
+    rounds = itertools.zip_longest(*by_class)  # (first of each class), (second of each), ...
+    return list(itertools.islice((i for row in rounds for i in row if i is not None), num_images))
 
 
 class AttentionMapLogger(L.Callback):
@@ -123,10 +118,9 @@ class AttentionMapLogger(L.Callback):
         if self._panel is None:
             self._panel = self._select_panel(trainer)
         images, labels = self._panel
-        datamodule = getattr(trainer, "datamodule", None)
+        class_names = getattr(getattr(trainer, "datamodule", None), "class_names", None)
         # The relevance maps need gradients: Lightning's fit loop validates under no_grad
         # (trainer.validate under inference mode); the panel may have been stacked in there.
-        class_names = getattr(datamodule, "class_names", None)
         with torch.inference_mode(False):
             report = attention_report(
                 net, images.clone(), labels, class_names=class_names, zoom=self.zoom

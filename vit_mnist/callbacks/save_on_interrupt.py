@@ -9,7 +9,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -98,11 +97,8 @@ class SaveOnInterrupt(L.Callback):
                 resume_command(None),
             )
             return
-        callback = trainer.checkpoint_callback
-        folder = Path(callback.dirpath) if isinstance(callback, ModelCheckpoint) else None
-        if folder is None:
-            folder = Path(trainer.default_root_dir) / "checkpoints"
-        path = folder / "last.ckpt"
+        folder = getattr(trainer.checkpoint_callback, "dirpath", None)
+        path = Path(folder or Path(trainer.default_root_dir) / "checkpoints") / "last.ckpt"
         # A full checkpoint (optimizer, loops, callbacks) is what resuming needs; saying so
         # also spares Lightning's note that weights_only defaulted to False.
         trainer.save_checkpoint(path, weights_only=False)

@@ -29,11 +29,9 @@ class TrainThroughput(L.Callback):
 
     def __init__(self) -> None:
         self.images_per_s: list[float] = []
-        self._start: float | None = None
-        self._images = 0
-        self._first_step: float | None = None
-        self._last_step_end: float | None = None
         self.first_step_s: float | None = None
+        self._images = 0
+        self._start = self._first_step = self._last_step_end = None  # perf_counter() seconds
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._start, self._images = time.perf_counter(), 0
@@ -76,11 +74,6 @@ class TrainThroughput(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._stop(pl_module)
 
-    @property
-    def median(self) -> float | None:
-        """Median images/s over the epochs measured, or None before the first."""
-        return statistics.median(self.images_per_s) if self.images_per_s else None
-
     def metrics(self, world_size: int = 1) -> dict[str, float | list[float] | None]:
         """This callback's keys of ``metrics.json``, for ``world_size`` processes kept in
         step (DDP: rank 0's rate times the world size):
@@ -91,7 +84,7 @@ class TrainThroughput(L.Callback):
         - ``fit_time_s``: see :attr:`fit_time_s` (the speedrun's clock);
         - ``first_step_s``: see :attr:`first_step_s`.
         """
-        median = self.median
+        median = statistics.median(self.images_per_s) if self.images_per_s else None
         return {
             "train_images_per_s": round(median * world_size, 1) if median else None,
             "train_images_per_s_by_epoch": [round(r * world_size, 1) for r in self.images_per_s],
