@@ -469,6 +469,9 @@ def model_to_start_from(cfg: DictConfig) -> StartFrom | None:
     wanted = OmegaConf.to_container(cfg.model, resolve=True)
     given = _model_keys_given()
     model, refused, kept = dict(stored), [], []
+    # Values that build the same network (stem_channels beside the patch embedding) differ
+    # in name only: not worth a warning.
+    built_stored, built_wanted = _built(stored), _built(wanted)
     for key in sorted(wanted):
         if key in stored and wanted[key] == stored[key]:
             continue
@@ -477,7 +480,7 @@ def model_to_start_from(cfg: DictConfig) -> StartFrom | None:
             model[key] = wanted[key]
         elif key in given:
             refused.append(shown)
-        elif key in stored:
+        elif key in stored and built_stored.get(key) != built_wanted.get(key):
             kept.append(f"model.{key}={stored[key]} (config: {wanted[key]})")
     if refused:
         raise ConfigError(
