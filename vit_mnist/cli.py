@@ -20,15 +20,15 @@ from types import ModuleType
 from typing import Any
 
 import hydra
+from hydra.core.plugins import Plugins
 from omegaconf import DictConfig
 
+from hydra_plugins.vit_mnist_study import StudySweeper
 from vit_mnist import errors
-from vit_mnist.errors import USER_ERRORS, stops_in_one_line
+from vit_mnist.errors import USER_ERRORS, exit_on_user_error, multirun_job_dir, stops_in_one_line
 from vit_mnist.hydra_errors import hydra_error_line
 
 CONFIG_PATH = "pkg://vit_mnist.configs"
-CONFIG_NAMES = {"train": "train", "evaluate": "eval", "predict": "predict", "export": "export"}
-CONFIG_NAMES["explore"] = "explore"
 
 # The interpreter's last garbage collection at exit walks every object that torch and
 # Lightning made at import: 1.3 s of a 1.6 s exit on a 2-core CPU, after the program has
@@ -54,45 +54,34 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
         # DDP's) read the user's own setting, and a user who set it gets Hydra's report.
         full_errors = os.environ.get("HYDRA_FULL_ERROR")
         os.environ["HYDRA_FULL_ERROR"] = "1"
-        _register_plugins()
+        # Hydra finds plugins by listing the ``hydra_plugins`` package, which an editable
+        # install (``pip install -e``) does not list: the Optuna study's sweeper, by name.
+        Plugins.instance().register(StudySweeper)
         try:
             result = main()
         except Exception as e:
-            told = not (full_errors or _STARTED)
-            command = main.__name__
-            argv = sys.argv[1:]
-            line = hydra_error_line(e, command, CONFIG_NAMES[command], argv) if told else None
-            if isinstance(e, USER_ERRORS):  # the sweeper's own check (hparams_search=...)
-                line = str(e)
+            line = str(e) if isinstance(e, USER_ERRORS) else None  # the sweeper's own check
+            if line is None and not (full_errors or _STARTED):
+                command = main.__name__  # its config: configs/<command>.yaml, eval for evaluate
+                config_name = "eval" if command == "evaluate" else command
+                line = hydra_error_line(e, command, config_name, sys.argv[1:])
             if line is None:
                 raise
             print(f"error: {line}", file=sys.stderr)
             raise SystemExit(2) from None
         finally:
             if full_errors is None:
-                os.environ.pop("HYDRA_FULL_ERROR")
+                del os.environ["HYDRA_FULL_ERROR"]
             else:
                 os.environ["HYDRA_FULL_ERROR"] = full_errors
 
         if errors.FAILED_JOBS:  # read now: the sweep's callback (and a test) set it
-            print(f"{len(errors.FAILED_JOBS)} job(s) of the sweep failed:", file=sys.stderr)
-            for job_dir, message in errors.FAILED_JOBS:
-                print(f"  {job_dir}: {message}", file=sys.stderr)
+            failed = [f"  {job_dir}: {message}" for job_dir, message in errors.FAILED_JOBS]
+            print(f"{len(failed)} job(s) of the sweep failed:", *failed, sep="\n", file=sys.stderr)
             raise SystemExit(1)
         return result
 
     return wrapper
-
-
-def _register_plugins() -> None:
-    """Register this project's Hydra plugin, the Optuna study's sweeper
-    (hydra_plugins/vit_mnist_study), by name: Hydra finds plugins by listing the
-    ``hydra_plugins`` package, which an editable install (``pip install -e``) does not list."""
-    from hydra.core.plugins import Plugins
-
-    from hydra_plugins.vit_mnist_study import StudySweeper
-
-    Plugins.instance().register(StudySweeper)
 
 
 def _start(task: str, cfg: DictConfig, command: str | None = None) -> ModuleType:
@@ -105,7 +94,6 @@ def _start(task: str, cfg: DictConfig, command: str | None = None) -> ModuleType
     a multirun it alone does, so that a bad job is recorded once and the sweep goes on.
     Ctrl-C during the imports ends the program with one line and status 130.
     """
-    from vit_mnist.errors import exit_on_user_error, multirun_job_dir
     from vit_mnist.settings import SETTINGS, check_settings
 
     _STARTED.append(task)
@@ -128,11 +116,9 @@ def train(cfg: DictConfig) -> dict[str, Any] | float | None:
     metrics, or with ``optimized_metric`` set (a hyper-parameter search) that one value."""
     metrics = _start("train", cfg).main(cfg)
     name = cfg.get("optimized_metric")
-    if not name:
-        return metrics
     # The one number a sweeper optimises (configs/hparams_search/); None from a job stopped
     # by a user error (the sweep goes on), which the study records as a failed trial.
-    return None if metrics is None else float(metrics[name])
+    return float(metrics[name]) if name and metrics is not None else metrics
 
 
 @_command_line

@@ -26,11 +26,9 @@ _IGNORED_WARNINGS = (
 )
 
 
-class _DropVendorTips(logging.Filter):
-    """Drops Lightning's advertisement for a cloud logger."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "💡 Tip" not in record.getMessage()
+def _no_vendor_tip(record: logging.LogRecord) -> bool:
+    """False for Lightning's advertisement for a cloud logger (a logging filter)."""
+    return "💡 Tip" not in record.getMessage()
 
 
 def quiet_console() -> None:
@@ -43,11 +41,9 @@ def quiet_console() -> None:
     """
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logger = logging.getLogger(name)
-        for handler in list(logger.handlers):
-            logger.removeHandler(handler)
+        logger.handlers.clear()
         logger.propagate = True
-    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if not any(isinstance(f, _DropVendorTips) for f in rank_zero.filters):
-        rank_zero.addFilter(_DropVendorTips())
+    # addFilter adds a filter once, however often this is called.
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_vendor_tip)
     for message, module in _IGNORED_WARNINGS:
         warnings.filterwarnings("ignore", message=message, module=module)

@@ -12,6 +12,7 @@ from functools import wraps
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
@@ -23,17 +24,13 @@ log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
-    """A setting that cannot work, such as ``embed_dim`` not divisible by ``num_heads``.
-
-    The message names the key, the value and what would be valid.
-    """
+    """A setting that cannot work, such as ``embed_dim`` not divisible by ``num_heads``; the
+    message names the key, the value and what would be valid."""
 
 
 class DataError(RuntimeError):
-    """A data file that is missing, truncated or fails its checksum, and cannot be rebuilt.
-
-    The message names the file and says how to fix it.
-    """
+    """A data file that is missing, truncated or fails its checksum, and cannot be rebuilt;
+    the message names the file and says how to fix it."""
 
 
 class CheckpointError(RuntimeError):
@@ -85,8 +82,6 @@ class SweepFailures(Callback):
 
 def multirun_job_dir() -> str | None:
     """The run dir of the current Hydra multirun job, or None outside a multirun."""
-    from hydra.core.hydra_config import HydraConfig
-
     if not HydraConfig.initialized():
         return None
     config = HydraConfig.get()
@@ -131,11 +126,8 @@ def exit_on_user_error(func: Callable[..., Any]) -> Callable[..., Any]:
 class Stopped(BaseException):
     """Ctrl-C or SIGTERM, raised by :func:`stops_in_one_line`'s handler. Not a
     ``KeyboardInterrupt``: Lightning turns that into exit status 1 and Gradio's server loop
-    swallows it; this passes through both (each cleans up on the way) to one line."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
+    swallows it; this passes through both (each cleans up on the way) to one line. Its one
+    argument is the signal's number."""
 
 
 def stops_in_one_line(body: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
@@ -150,19 +142,15 @@ def stops_in_one_line(body: Callable[[DictConfig], Any], cfg: DictConfig) -> Any
     try:
         return body(cfg)
     except Stopped as e:
-        what = "Ctrl-C" if e.signum == signal.SIGINT else "SIGTERM"
+        (signum,) = e.args
+        what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
         out = cfg.paths.output_dir
-        made = sorted(
-            p.name
-            for p in Path(out).glob("*")
-            if p.is_file() and not p.name.startswith(".") and p.suffix != ".log"
-        )
+        files = (p for p in Path(out).glob("*") if p.is_file() and p.suffix != ".log")
+        made = sorted(p.name for p in files if not p.name.startswith("."))
         done = f"complete in {out}: {', '.join(made)}; nothing else" if made else "no file"
-        print(
-            f"\nStopped by {what} during {Path(sys.argv[0]).name}; {done} was written.",
-            file=sys.stderr,
-        )
-        raise SystemExit(128 + e.signum) from None
+        script = Path(sys.argv[0]).name
+        print(f"\nStopped by {what} during {script}; {done} was written.", file=sys.stderr)
+        raise SystemExit(128 + signum) from None
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

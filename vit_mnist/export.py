@@ -27,10 +27,6 @@ from vit_mnist.io import atomic_write_bytes
 from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
 from vit_mnist.settings import EXPORT_FORMATS, ExportSettings, check_settings
 
-log = logging.getLogger(__name__)
-
-FORMATS = EXPORT_FORMATS
-
 
 class PixelsToLogits(nn.Module):
     """``(B, 1, H, W)`` float pixels in [0, 1] -> normalise -> ViT -> ``(B, classes)`` logits.
@@ -43,9 +39,7 @@ class PixelsToLogits(nn.Module):
 
     def __init__(self, net: nn.Module, *, mean: float, std: float) -> None:
         super().__init__()
-        self.net = net
-        self.mean = mean
-        self.std = std
+        self.net, self.mean, self.std = net, mean, std
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.net((pixels - self.mean) / self.std)
@@ -68,7 +62,7 @@ class ExportCheck:
     accuracy: float
 
 
-def export_model(model: PixelsToLogits, fmt: str, path: Path, *, opset: int = 18) -> Path:
+def export_model(model: PixelsToLogits, fmt: str, path: Path, *, opset: int = 18) -> None:
     """Write ``model`` (in eval mode, on the CPU) to ``path`` as ONNX or TorchScript.
 
     Args:
@@ -91,14 +85,12 @@ def export_model(model: PixelsToLogits, fmt: str, path: Path, *, opset: int = 18
         # warning with a traceback; the opset written is checked below, in one line.
         for name in ("onnx_ir", "onnxscript", "torch.onnx"):
             logging.getLogger(name).setLevel(logging.ERROR)
-        batch = torch.export.Dim("batch", min=1, max=65536)
-
         program = torch.onnx.export(
             model,
             (example,),
             input_names=["images"],
             output_names=["logits"],
-            dynamic_shapes=({0: batch},),
+            dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=65536)},),
             opset_version=opset,
             dynamo=True,
             verbose=False,
@@ -125,9 +117,8 @@ def export_model(model: PixelsToLogits, fmt: str, path: Path, *, opset: int = 18
         data = buffer.getvalue()
 
     else:
-        raise ConfigError(f"format={fmt!r} is unknown; use one of {list(FORMATS)}")
+        raise ConfigError(f"format={fmt!r} is unknown; use one of {list(EXPORT_FORMATS)}")
     atomic_write_bytes(path, data)
-    return path
 
 
 def run_exported(fmt: str, path: Path, pixels: torch.Tensor, batch_size: int = 384) -> torch.Tensor:
@@ -187,14 +178,15 @@ def sample_test_images(
 
 def output_path(cfg: DictConfig, ckpt_path: Path) -> Path:
     """Where ``cfg`` asks the export to go: ``output``, or ``<run dir>/<checkpoint
-    name><suffix>``, the suffix that :data:`FORMATS` gives ``cfg.format``.
+    name><suffix>``, the suffix that :data:`~vit_mnist.settings.EXPORT_FORMATS` gives
+    ``cfg.format``.
 
     Raises:
         ConfigError: ``output`` does not end in the format's suffix (``.onnx`` or ``.pt``),
             or names a folder, or names an existing file and ``overwrite`` is not true.
     """
     fmt = str(cfg.format)
-    suffix = FORMATS[fmt]
+    suffix = EXPORT_FORMATS[fmt]
     output = cfg.get("output")
     if output:
         path = Path(str(output)).expanduser()
@@ -226,10 +218,10 @@ def export(cfg: DictConfig) -> dict[str, Any]:
     Raises:
         ConfigError: a setting that ``ExportSettings`` (vit_mnist/settings.py) refuses, or
             an ``output`` that :func:`output_path` refuses (checked before any work).
-        CheckpointError: see :func:`vit_mnist.evaluate.read_checkpoint`.
+        CheckpointError: see :func:`vit_mnist.checkpointing.read_checkpoint`.
     """
     check_settings(cfg, ExportSettings)
-    fmt, n = str(cfg.format), cfg.check_images
+    fmt = str(cfg.format)
     ckpt_path = resolve_ckpt_path(cfg)
     path = output_path(cfg, Path(ckpt_path))
     run_info = read_checkpoint(ckpt_path).get(RUN_INFO_KEY, {})
@@ -240,7 +232,7 @@ def export(cfg: DictConfig) -> dict[str, Any]:
     model = PixelsToLogits(module.net.float(), mean=mean, std=std).eval()
 
     export_model(model, fmt, path, opset=cfg.opset)
-    pixels, labels = sample_test_images(cfg, ckpt_path, run_info, n, mean, std)
+    pixels, labels = sample_test_images(cfg, ckpt_path, run_info, cfg.check_images, mean, std)
     check = check_export(model, fmt, path, pixels, labels)
     runtime = "ONNX Runtime" if fmt == "onnx" else "TorchScript"
     print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)")

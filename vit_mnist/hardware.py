@@ -92,10 +92,9 @@ def uses_cuda(accelerator: str) -> bool:
 def resolve_precision(precision: Any, on_cuda: bool) -> str:
     """``trainer.precision``, with ``auto`` made concrete: ``bf16-mixed`` where the hardware
     has bfloat16 (see :func:`has_native_bf16`), else ``32-true``."""
-    precision = str(precision)
-    if precision != "auto":
-        return precision
-    return "bf16-mixed" if has_native_bf16(on_cuda) else "32-true"
+    if str(precision) == "auto":
+        return "bf16-mixed" if has_native_bf16(on_cuda) else "32-true"
+    return str(precision)
 
 
 def describe_device(device: torch.device, processes: int = 1) -> str:

@@ -15,8 +15,7 @@ def hydra_error_line(
     error: Exception, command: str, config_name: str, argv: list[str]
 ) -> str | None:
     """One line for an error Hydra raised while composing the config, before the task began;
-    None for anything else. Told apart by type, the attributes Hydra gives its errors and
-    what the project itself checks, never by the wording of the message.
+    None for anything else. Told apart as the module's docstring says, never by wording.
 
     Args:
         error: what ``@hydra.main`` raised.
@@ -84,8 +83,7 @@ def _overrides(argv: list[str]) -> list[tuple[str, str, str]]:
     """``(prefix, key, value)`` of each ``key=value`` override (prefix ``+``, ``++``, ``~``
     or empty)."""
     found = []
-    for arg in argv:
-        name, eq, value = arg.partition("=")
+    for name, eq, value in (arg.partition("=") for arg in argv):
         key = name.lstrip("+~")
         if eq:
             found.append((name[: len(name) - len(key)], key, value))

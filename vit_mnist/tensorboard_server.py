@@ -47,9 +47,7 @@ def serve(logdir: str | Path, timeout_s: float = 120.0) -> Iterator[str]:
             deadline = time.monotonic() + timeout_s
             while True:
                 out.seek(0)
-                text = out.read()
-                match = _URL.search(text)
-                if match:
+                if match := _URL.search(text := out.read()):
                     break
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"TensorBoard did not start:\n{text}")
@@ -66,8 +64,7 @@ def serve(logdir: str | Path, timeout_s: float = 120.0) -> Iterator[str]:
 def get_json(url: str, path: str, **params: str) -> Any:
     """GET ``url + path`` with query ``params`` and parse the JSON answer."""
     query = f"?{urllib.parse.urlencode(params)}" if params else ""
-    with urllib.request.urlopen(url.rstrip("/") + path + query, timeout=60) as response:
-        return json.load(response)
+    return json.loads(get_bytes(url, path + query))
 
 
 def wait_for_tags(url: str, plugin: str, wanted: set[str], timeout_s: float = 120.0) -> dict:
