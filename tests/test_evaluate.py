@@ -156,6 +156,21 @@ def test_head_importance(synthetic_ckpt, tmp_path):
     assert (tmp_path / "head_importance.png").is_file()
 
 
+def test_every_trainer_of_an_evaluation_runs_on_the_resolved_device(
+    synthetic_ckpt, tmp_path, monkeypatch
+):
+    """The heads analysis' quiet trainer takes the device the test loop resolved, not
+    ``trainer.accelerator`` as written (with ``auto``, Lightning could pick MPS for it)."""
+    import vit_mnist.evaluate as evaluate_module
+
+    # "gpu" as written: a trainer built from it raises on this machine, which has none.
+    monkeypatch.setattr(evaluate_module, "resolve_accelerator", lambda accelerator: "cpu")
+    ckpt, _ = synthetic_ckpt
+    overrides = [f"ckpt_path={ckpt}", "trainer.accelerator=gpu", "analysis=heads"]
+    metrics = evaluate(compose_config("eval", overrides, tmp_path))
+    assert metrics["head_importance"]["baseline"]["acc"] == pytest.approx(metrics["test/acc"])
+
+
 def test_roles_analysis_on_the_validation_images(synthetic_ckpt, tmp_path):
     """eval.py analysis=roles: every head's role figures and per-class ablation, in
     roles.csv, roles.png, metrics.json and TensorBoard; on split=val as on test."""

@@ -195,16 +195,16 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         log.info("trained with precision=%s on a GPU; evaluating in 32-true on the CPU", precision)
         precision = "32-true"
     loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values()]
-    # The reports, heads and pruning run trainer.predict: as many batches as the test loop.
-    limit = {"limit_predict_batches": cfg.trainer.get("limit_test_batches", 1.0)}
-    trainer: L.Trainer = hydra.utils.instantiate(
-        cfg.trainer, logger=loggers, precision=precision, accelerator=accelerator, **limit
-    )
+    # The reports, heads and pruning run trainer.predict: as many batches as the test loop;
+    # every trainer on the same device (accelerator=auto could pick another, such as MPS).
+    same = {"precision": precision, "accelerator": accelerator}
+    same["limit_predict_batches"] = cfg.trainer.get("limit_test_batches", 1.0)
+    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers, **same)
 
     def quiet() -> L.Trainer:
         # For the many evaluation passes of heads, roles and prune: no progress bars, no logger.
         off = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
-        return hydra.utils.instantiate(cfg.trainer, precision=precision, **limit, **off)
+        return hydra.utils.instantiate(cfg.trainer, **same, **off)
 
     results = trainer.test(module, datamodule=datamodule)[0]
     if not all(map(math.isfinite, results.values())):
