@@ -80,7 +80,7 @@ class EvalRun:
 
     def publish(self, picture, name: str) -> None:
         """A picture to ``out/<name>.png`` and to TensorBoard (tag ``name``): a (3, H, W)
-        uint8 image tensor, or a matplotlib figure, which is closed."""
+        uint8 image tensor, or a matplotlib figure."""
         if isinstance(picture, torch.Tensor):
             save_png(picture, self.out / f"{name}.png")
             if self.writer is not None:

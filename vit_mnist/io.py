@@ -170,10 +170,8 @@ def save_png(image: torch.Tensor, path: str | Path) -> None:
 
 
 def save_figure(fig, path: str | Path) -> None:
-    """Save a matplotlib figure as PNG, atomically, and close it."""
-    import matplotlib.pyplot as plt
-
+    """Save a matplotlib ``Figure`` as PNG, atomically. The project's figures are built
+    without pyplot, which holds none of them: nothing to close."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
-    plt.close(fig)
     atomic_write_bytes(path, buffer.getvalue())
