@@ -76,16 +76,11 @@ class PatchingResult:
                 by_token = kind in ("heads_by_position", "resid")
                 for index in (~score.isnan()).nonzero().tolist():  # row-major, as the grid
                     layer, *rest = index
-                    rows.append(
-                        {
-                            "direction": direction,
-                            "kind": kind,
-                            "layer": layer,
-                            "head": rest[0] if kind.startswith("heads") else "",
-                            "token": token_names[rest[-1]] if by_token else "all",
-                            "score": round(float(score[tuple(index)]), 5),
-                        }
-                    )
+                    head = rest[0] if kind.startswith("heads") else ""
+                    token = token_names[rest[-1]] if by_token else "all"
+                    value = round(float(score[tuple(index)]), 5)
+                    cells = (direction, kind, layer, head, token, value)
+                    rows.append(dict(zip(ROW_COLUMNS, cells, strict=True)))
         return rows
 
 
