@@ -178,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--proxy-runs",
         type=Path,
-        help="a folder of short runs, each named as its full run, for the --proxy-report "
-        "table (which it implies)",
+        help="a folder of short runs, each named as its full run (a study's trials, with "
+        "test=false, count), for the --proxy-report table (which it implies)",
     )
     parser.add_argument(
         "--default-run",
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = find_runs(args.run_dirs)
         default = find_runs([args.default_run])[0] if args.default_run else None
-        proxies = find_runs([args.proxy_runs]) if args.proxy_runs else []
+        proxies = find_runs([args.proxy_runs], tested=False) if args.proxy_runs else []
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -158,8 +158,9 @@ def _seconds(s: float) -> str:
     return f"{s:.0f}" if s >= 10 else f"{s:.1f}"
 
 
-def find_runs(paths: Iterable[str | Path]) -> list[Run]:
-    """Every run dir (one holding ``metrics.json``) at or under ``paths``, sorted by path.
+def find_runs(paths: Iterable[str | Path], tested: bool = True) -> list[Run]:
+    """Every run dir (one holding ``metrics.json``) at or under ``paths``, sorted by path;
+    with ``tested=False`` also those trained with ``test=false`` (a study's trials).
 
     Raises:
         FileNotFoundError: a path does not exist, or no run dir is found.
@@ -174,8 +175,10 @@ def find_runs(paths: Iterable[str | Path]) -> list[Run]:
             if not overrides_file.is_file():
                 continue  # an eval or export dir, not a training run
             metrics = json.loads(metrics_file.read_text())
-            if "test/acc" not in metrics or "seed" not in metrics or "epochs" not in metrics:
+            if "seed" not in metrics or "epochs" not in metrics:
                 continue  # an evaluation (eval.py) inside a run dir, not a training run
+            if tested and "test/acc" not in metrics:
+                continue
             overrides = yaml.safe_load(overrides_file.read_text()) or []
             runs.append(Run(metrics_file.parent, metrics, [str(o) for o in overrides], index))
     if not runs:
