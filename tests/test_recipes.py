@@ -287,6 +287,11 @@ def test_results_table_groups_seeds_and_reports_mean_and_std(tmp_path):
             fake_run(tmp_path / "sweep" / str(job), heads=heads, seed=seed, acc=acc)
             job += 1
     (tmp_path / "sweep" / "eval" / "x").mkdir(parents=True)  # not a training run: ignored
+    # The same settings typed in another order are the same configuration: one row.
+    fake_run(tmp_path / "again", heads=4, seed=4, acc=0.99)
+    again = (tmp_path / "again" / ".hydra" / "overrides.yaml").read_text().splitlines()
+    (tmp_path / "again" / ".hydra" / "overrides.yaml").write_text("\n".join(again[::-1]))
+    assert len(group_rows(find_runs([tmp_path / "sweep", tmp_path / "again"]))) == 2
     rows = group_rows(find_runs([tmp_path / "sweep"]))
     assert [row.first["model"]["num_heads"] for row in rows] == [1, 4]
     mean, std = rows[0].test_acc

@@ -202,15 +202,17 @@ def find_failed(paths: Iterable[str | Path]) -> list[tuple[Path, str]]:
 
 
 def group_rows(runs: Iterable[Run]) -> list[Row]:
-    """Group runs whose command lines are equal once ``seed`` is left out and that ran on
-    the same device (the same command on two CPU classes makes two rows).
+    """Group runs whose command lines hold the same overrides, in any order, once ``seed``
+    is left out, and that ran on the same device (the same command on two CPU classes makes
+    two rows).
 
     Rows come in the order of the paths given to :func:`find_runs`, then by dataset,
     experiment, ``embed_dim`` and ``num_heads``.
     """
     rows: dict[str, Row] = {}
     for run in runs:
-        rows.setdefault(f"{run.command()} on {run.device()}", Row()).runs.append(run)
+        same = sorted(run.command().split(" "))
+        rows.setdefault(f"{same} on {run.device()}", Row()).runs.append(run)
 
     def order(row: Row) -> tuple:
         m = row.first
