@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = find_runs(args.run_dirs)
         default = find_runs([args.default_run])[0] if args.default_run else None
         proxies = find_runs([args.proxy_runs], tested=False) if args.proxy_runs else []
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = group_rows(runs)

@@ -506,6 +506,14 @@ def test_results_script_refuses_a_missing_proxy_or_default_run_in_one_line(tmp_p
     from scripts.results import main
 
     fake_run(tmp_path / "runs" / "1", heads=4, seed=1, acc=0.9)
+    fake_run(tmp_path / "damaged" / "1", heads=4, seed=1, acc=0.9)
+    metrics = tmp_path / "damaged" / "1" / "metrics.json"
+    metrics.write_text(metrics.read_text()[:20])  # cut off mid-write
+    assert main([str(tmp_path / "damaged")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {metrics.parent} cannot be read (JSONDecodeError); move that run dir out of "
+        "the way or train it again\n"
+    )
     for option in ("--proxy-runs", "--default-run"):
         assert main([str(tmp_path / "runs"), option, str(tmp_path / "nowhere")]) == 2
         assert capsys.readouterr().err == f"error: {tmp_path / 'nowhere'} does not exist\n"

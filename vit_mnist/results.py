@@ -164,6 +164,8 @@ def find_runs(paths: Iterable[str | Path], tested: bool = True) -> list[Run]:
 
     Raises:
         FileNotFoundError: a path does not exist, or no run dir is found.
+        ValueError: a run dir's ``metrics.json`` or ``overrides.yaml`` cannot be read (a
+            half-written or damaged file): a table without that seed would mislead.
     """
     roots = [Path(p) for p in paths]
     runs = []
@@ -174,12 +176,18 @@ def find_runs(paths: Iterable[str | Path], tested: bool = True) -> list[Run]:
             overrides_file = metrics_file.parent / ".hydra" / "overrides.yaml"
             if not overrides_file.is_file():
                 continue  # an eval or export dir, not a training run
-            metrics = json.loads(metrics_file.read_text())
+            try:
+                metrics = json.loads(metrics_file.read_text())
+                overrides = yaml.safe_load(overrides_file.read_text()) or []
+            except (ValueError, yaml.YAMLError) as e:
+                raise ValueError(
+                    f"{metrics_file.parent} cannot be read ({type(e).__name__}); "
+                    "move that run dir out of the way or train it again"
+                ) from None
             if "seed" not in metrics or "epochs" not in metrics:
                 continue  # an evaluation (eval.py) inside a run dir, not a training run
             if tested and "test/acc" not in metrics:
                 continue
-            overrides = yaml.safe_load(overrides_file.read_text()) or []
             runs.append(Run(metrics_file.parent, metrics, [str(o) for o in overrides], index))
     if not runs:
         where = ", ".join(map(str, roots))
