@@ -55,11 +55,15 @@ class Run:
         without the thread count: what a budget's unit depends on."""
         return ", ".join(self.device().split(", ")[:2])
 
+    @property
+    def settings(self) -> list[str]:
+        """This run's overrides, in the order typed, with ``seed`` and Hydra's own left out."""
+        return [o for o in self.overrides if not o.startswith(("seed=", "hydra.", "hydra/"))]
+
     def command(self) -> str:
-        """``python train.py`` with this run's overrides, seed and Hydra's own left out,
-        each quoted where a shell would read it (``[0.95,1.05]`` is a glob pattern)."""
-        kept = [o for o in self.overrides if not o.startswith(("seed=", "hydra.", "hydra/"))]
-        return " ".join(["python train.py", *map(shlex.quote, kept)])
+        """``python train.py`` with :attr:`settings`, each quoted where a shell would read
+        it (``[0.95,1.05]`` is a glob pattern)."""
+        return " ".join(["python train.py", *map(shlex.quote, self.settings)])
 
 
 @dataclass
@@ -219,8 +223,7 @@ def group_rows(runs: Iterable[Run]) -> list[Row]:
     """
     rows: dict[str, Row] = {}
     for run in runs:
-        same = sorted(run.command().split(" "))
-        rows.setdefault(f"{same} on {run.device()}", Row()).runs.append(run)
+        rows.setdefault(f"{sorted(run.settings)} on {run.device()}", Row()).runs.append(run)
 
     def order(row: Row) -> tuple:
         m = row.first
