@@ -13,7 +13,7 @@ import torch
 from tests.conftest import TINY_MODEL, compose_config
 from vit_mnist.analysis.distillation import cls_dist_similarity
 from vit_mnist.checkpointing import read_checkpoint
-from vit_mnist.distillation import hard_distillation_loss
+from vit_mnist.distillation import distillation_loss
 from vit_mnist.errors import CheckpointError, ConfigError
 from vit_mnist.evaluate import evaluate
 from vit_mnist.models.vit import VisionTransformer
@@ -64,7 +64,7 @@ def test_hard_distillation_loss_is_the_hand_computation():
 
     true_term = (nll([2, 0, 0], 0) + nll([0, 1, 0], 1)) / 2
     teacher_term = (nll([0, 3, 0], 1) + nll([1, 1, 1], 2)) / 2
-    loss = hard_distillation_loss(cls, dist, labels, teacher)
+    loss = distillation_loss(cls, dist, labels, teacher)
     assert loss.item() == pytest.approx((true_term + teacher_term) / 2, rel=1e-6)
     # Label smoothing eps on the true labels only: (1 - eps) * nll + eps * mean over classes.
     eps = 0.3
@@ -72,8 +72,29 @@ def test_hard_distillation_loss_is_the_hand_computation():
         (1 - eps) * nll(row, k) + eps * sum(nll(row, c) for c in range(3)) / 3
         for row, k in (([2, 0, 0], 0), ([0, 1, 0], 1))
     ]
-    loss = hard_distillation_loss(cls, dist, labels, teacher, label_smoothing=eps)
+    loss = distillation_loss(cls, dist, labels, teacher, label_smoothing=eps)
     assert loss.item() == pytest.approx((sum(smoothed) / 2 + teacher_term) / 2, rel=1e-6)
+
+
+def test_soft_distillation_loss_is_the_hand_computation():
+    cls, dist = torch.tensor([[2.0, 0.0, 0.0]]), torch.tensor([[0.0, 3.0, 0.0]])
+    labels, teacher = torch.tensor([0]), torch.tensor([[0.0, 4.0, 2.0]])
+    tau = 2.0
+
+    def softmax(logits: list[float]) -> list[float]:
+        e = [math.exp(v / tau) for v in logits]
+        return [v / sum(e) for v in e]
+
+    p, q = softmax([0.0, 4.0, 2.0]), softmax([0.0, 3.0, 0.0])  # teacher, student
+    kl = sum(pc * math.log(pc / qc) for pc, qc in zip(p, q, strict=True))
+    true_term = -2.0 + math.log(math.exp(2) + 2)
+    loss = distillation_loss(cls, dist, labels, teacher, tau=tau)
+    assert loss.item() == pytest.approx((true_term + tau**2 * kl) / 2, rel=1e-6)
+    # A student that says what the teacher says leaves the true labels' half alone; the
+    # hard loss would still charge it the cross-entropy of the teacher's argmax.
+    agreeing = distillation_loss(cls, teacher, labels, teacher, tau=tau)
+    assert agreeing.item() == pytest.approx(true_term / 2, abs=1e-6)
+    assert distillation_loss(cls, teacher, labels, teacher).item() > agreeing.item() + 0.05
 
 
 @pytest.mark.filterwarnings("ignore:You are trying to `self.log")  # no Trainer: a bare step
@@ -85,7 +106,10 @@ def test_the_training_step_learns_the_teachers_labels_with_the_distillation_head
     module.teacher = lambda images: teacher_logits  # what on_fit_start loads from the file
     loss = module.training_step((x, y), 0)
     heads = module.net.forward_heads(module.net.forward_features(x))
-    assert loss.item() == hard_distillation_loss(*heads, y, teacher_logits, 0.1).item()
+    assert loss.item() == distillation_loss(*heads, y, teacher_logits, 0.1).item()
+    module.hparams.distillation_tau = 3.0  # softened outputs instead of the hard labels
+    soft = distillation_loss(*heads, y, teacher_logits, 0.1, tau=3.0)
+    assert module.training_step((x, y), 0).item() == soft.item() != loss.item()
     module.teacher = None  # without a teacher: cross-entropy of the averaged prediction
     plain = torch.nn.functional.cross_entropy(module.net(x), y, label_smoothing=0.1)
     assert module.training_step((x, y), 0).item() == pytest.approx(plain.item(), rel=1e-6)
@@ -198,6 +222,8 @@ def test_predict_export_and_explorer_take_the_distillation_token(distilled, tmp_
             ["num_classes=10", "model.num_classes=5"],
         ),
         (["model.distillation=true", "module.teacher_ckpt=/no/such.ckpt"], ["/no/such.ckpt"]),
+        (["module.distillation_tau=3"], ["module.distillation_tau=3", "add module.teacher_ckpt"]),
+        (["module.distillation_tau=0"], ["module.distillation_tau=0"]),
     ],
 )
 def test_distillation_settings_are_checked_before_any_work(

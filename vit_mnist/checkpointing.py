@@ -9,6 +9,7 @@ import logging
 import os
 import shlex
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,12 +207,14 @@ def _dataset_name(target: str | None) -> str | None:
 
 
 def check_teacher(
-    teacher_ckpt: str | None, model: dict[str, Any], data_target: str | None = None
+    module: Mapping[str, Any], model: dict[str, Any], data_target: str | None = None
 ) -> dict[str, Any] | None:
-    """A distillation run's teacher (``module.teacher_ckpt``) against its student's
-    arguments ``model`` and data module ``data_target``: both or neither set, the file a
-    checkpoint of this project, and the teacher trained on the same dataset (as its stored
-    data config says) and classifying the same images into as many classes.
+    """A distillation run's teacher (``module.teacher_ckpt``, softened by
+    ``module.distillation_tau``) against its student's arguments ``model`` and data module
+    ``data_target``: the teacher and the distillation token both or neither set, a
+    temperature only with a teacher, the file a checkpoint of this project, and the teacher
+    trained on the same dataset (as its stored data config says) and classifying the same
+    images into as many classes.
 
     Returns:
         None without a teacher; else its record for the student's ``metrics.json`` and
@@ -223,6 +226,13 @@ def check_teacher(
         ConfigError: one setting without the other, or a teacher of another dataset or shape.
         CheckpointError: see :func:`read_checkpoint`.
     """
+    teacher_ckpt, tau = module.get("teacher_ckpt"), module.get("distillation_tau")
+    if tau is not None and not teacher_ckpt:
+        raise ConfigError(
+            f"module.distillation_tau={tau} softens a teacher's outputs, and there is no "
+            "teacher: add module.teacher_ckpt=PATH and model.distillation=true, or leave "
+            "module.distillation_tau out"
+        )
     if bool(model.get("distillation")) != bool(teacher_ckpt):
         if teacher_ckpt:
             raise ConfigError(

@@ -12,7 +12,7 @@ from torch import nn
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from vit_mnist.distillation import hard_distillation_loss
+from vit_mnist.distillation import distillation_loss
 from vit_mnist.errors import NonFiniteLossError
 from vit_mnist.models import build_model
 from vit_mnist.models.vit import average_heads
@@ -50,8 +50,11 @@ class ViTClassifier(L.LightningModule):
             repeated); 0 classifies each image once. Validation stays one view. The
             ten-crop average of Krizhevsky et al. 2012 (section 4.1) with Simard et al.
             2003's shifts (section 2).
-        teacher_ckpt: a checkpoint of this project whose hard labels the distillation token
+        teacher_ckpt: a checkpoint of this project whose outputs the distillation token
             learns (vit_mnist/distillation.py); needs ``model["distillation"]``. None: none.
+        distillation_tau: None: the distillation token learns the teacher's hard labels
+            (DeiT's hard distillation); a temperature > 0: its softened outputs (DeiT's
+            eq. 2, Hinton et al. 2015).
 
     Logged: ``train/loss`` (per step), ``train/acc``, ``val/loss``, ``val/acc``,
     ``val/acc_best``, ``test/loss`` and ``test/acc`` (per epoch; accuracies are
@@ -78,6 +81,7 @@ class ViTClassifier(L.LightningModule):
         label_smoothing: float = 0.0,
         test_time_shift: int = 0,
         teacher_ckpt: str | None = None,
+        distillation_tau: float | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -134,7 +138,8 @@ class ViTClassifier(L.LightningModule):
         else:  # both heads, on the speed path; the frozen teacher records no graph
             heads = self.step_forward(x, heads=True)
             teacher_logits = self.teacher(x)
-            loss = hard_distillation_loss(*heads, y, teacher_logits, self.hparams.label_smoothing)
+            smoothing, tau = self.hparams.label_smoothing, self.hparams.distillation_tau
+            loss = distillation_loss(*heads, y, teacher_logits, smoothing, tau)
             logits = average_heads(*heads)
         if not torch.isfinite(loss):
             lr = self.trainer.optimizers[0].param_groups[0]["lr"] if self.trainer else float("nan")

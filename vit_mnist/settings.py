@@ -209,6 +209,7 @@ class ModuleSettings(Built):
     label_smoothing: float = _f("module.label_smoothing=0.1", ge=0, lt=1)
     test_time_shift: int = _shift("module.test_time_shift")
     teacher_ckpt: str | None = _f("module.teacher_ckpt=PATH/best.ckpt")
+    distillation_tau: float | None = _f("module.distillation_tau=3", gt=0)
 
 
 class AugmentSettings(Section):

@@ -145,7 +145,7 @@ def check_config(cfg: DictConfig, model: dict[str, Any] | None = None) -> None:
             "use data=mnist, data=fashion_mnist or data=synthetic"
         )
     _check_model_fits_data(model, datamodule_cls)
-    check_teacher(cfg.module.get("teacher_ckpt"), model, data._target_)
+    check_teacher(cfg.module, model, data._target_)
     if data.get("data_dir") is not None:
         _check_data_dir(str(data.data_dir), getattr(datamodule_cls, "folder", "MNIST"))
     _check_device(cfg.trainer)
@@ -224,7 +224,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # init_from and a resume decide is in `start` and `resume`.
     OmegaConf.set_readonly(cfg, True)
     # What the student learnt from, for metrics.json and its checkpoints (checked above).
-    teacher = check_teacher(cfg.module.get("teacher_ckpt"), model, cfg.data._target_)
+    teacher = check_teacher(cfg.module, model, cfg.data._target_)
     resume = resume_checkpoint(cfg)
     ckpt_path, start_step = resume.path, resume.start_step
     L.seed_everything(cfg.seed, workers=True)
