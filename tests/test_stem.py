@@ -32,20 +32,44 @@ def test_the_textbook_model_is_unchanged_by_the_stem_option():
     torch.testing.assert_close(logits[0, :3], torch.tensor(expected), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize(("patch", "field", "tokens"), [(4, 7, 50), (7, 11, 17), (14, 19, 5)])
-def test_a_conv_stem_makes_the_same_token_grid_with_a_wider_view(patch, field, tokens):
-    # Receptive field: each stride-2 3x3 convolution adds 2 jumps; the last projection adds
-    # (kernel - 1) jumps: patch 4 -> 3 + 4 = 7 px; patch 7 (no stride 2) -> 5 + 6 = 11 px.
-    model = VisionTransformer(patch_size=patch, stem="conv", stem_channels=[8, 16])
+@pytest.mark.parametrize(
+    ("patch", "strides", "field", "tokens", "built"),
+    [
+        (4, None, 7, 50, [2, 2]),
+        (7, None, 11, 17, [1, 1]),
+        (14, None, 19, 5, [2, 1]),
+        (4, [1, 2], 7, 50, [1, 2]),  # a convolution at 28 x 28, the projection steps by 2
+        (4, [2, 1], 9, 50, [2, 1]),  # one at 14 x 14
+    ],
+)
+def test_a_conv_stem_makes_the_same_token_grid_with_a_wider_view(
+    patch, strides, field, tokens, built
+):
+    # Receptive field: each 3x3 convolution adds 2 jumps (a jump: the product of the strides
+    # before it, in pixels); the projection adds (kernel - 1) jumps. Patch 4: 1 + 2 + 4 = 7
+    # px; patch 7 (no stride 2): 1 + 2 + 2 + 6 = 11; strides [1, 2]: 1 + 2 + 2 + 2 = 7;
+    # strides [2, 1]: 1 + 2 + 4 + 2 = 9.
+    model = VisionTransformer(
+        patch_size=patch, stem="conv", stem_channels=[8, 16], stem_strides=strides
+    )
+    convs = [m for m in model.patch_embed.convs if isinstance(m, torch.nn.Conv2d)]
+    assert [m.stride[0] for m in convs] == built
     assert model.patch_embed.receptive_field == field
     assert model.num_tokens == tokens and model.patch_embed.grid_size == 28 // patch
     assert model(torch.randn(3, 1, 28, 28)).shape == (3, 10)
 
 
-def test_every_analysis_runs_on_a_conv_stem():
+@pytest.mark.parametrize("strides", [None, [2, 1, 2]])
+def test_every_analysis_runs_on_a_conv_stem(strides):
     torch.manual_seed(0)
     model = VisionTransformer(
-        embed_dim=16, depth=2, num_heads=2, patch_size=4, stem="conv", stem_channels=[8, 16]
+        embed_dim=16,
+        depth=2,
+        num_heads=2,
+        patch_size=4,
+        stem="conv",
+        stem_channels=[8, 16, 16] if strides else [8, 16],
+        stem_strides=strides,
     ).eval()
     x = torch.randn(4, 1, 28, 28)
     report = attention_report(model, x, torch.arange(4))
@@ -65,7 +89,8 @@ def test_every_analysis_runs_on_a_conv_stem():
 def test_a_conv_stem_trains_evaluates_and_exports(tmp_path):
     pytest.importorskip("onnxruntime")
     overrides = ["data=synthetic", "trainer=cpu", "trainer.max_epochs=1", *TINY_MODEL]
-    overrides += ["model.stem=conv", "model.stem_channels=[8,16]", "model.patch_size=4"]
+    overrides += ["model.stem=conv", "model.stem_channels=[8,16,16]", "model.patch_size=4"]
+    overrides += ["model.stem_strides=[2,1,2]"]  # a convolution at 14 x 14
     overrides += ["speed.path=reference", "trainer.precision=32-true"]
     metrics = train(compose_config("train", overrides, tmp_path / "train"))
     ckpt = metrics["best_ckpt"]
@@ -95,6 +120,34 @@ def test_stem_channels_without_the_conv_stem_is_refused_not_ignored(tmp_path):
     assert all(torch.equal(stored[k], state[k]) for k in state)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["model.stem=conv", "model.patch_size=4", "model.stem_strides=[2]"],
+            r"^model.stem_strides=\[2\] needs one stride per convolution of "
+            r"model.stem_channels=\[32, 64\]: give 2",
+        ),
+        (
+            ["model.stem=conv", "model.patch_size=4", "model.stem_strides=[2,4]"],
+            r"^model.stem_strides=\[2, 4\] step by 8 pixels in all, which does not divide "
+            r"patch_size=4",
+        ),
+        (
+            ["model.stem=conv", "model.stem_strides=[0,2]"],
+            r"^model.stem_strides=\[0,2\]: each value must be >= 1",
+        ),
+        (["model.stem_strides=[2,2]"], r"^model.stem_strides=\[2, 2\] is used by the conv"),
+    ],
+)
+def test_stem_strides_are_checked_before_any_work(tmp_path, overrides, message):
+    overrides = ["data=synthetic", "trainer=cpu", *TINY_MODEL, *overrides]
+    cfg = compose_config("train", overrides, tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        train(cfg)
+    assert not (tmp_path / "metrics.json").exists()
+
+
 def test_stem_channels_differ_only_where_the_network_uses_them():
     # Resume and ckpt_path=latest compare the stored model with the config's.
     old, new = {"stem_channels": [32, 64]}, {"stem_channels": None}
@@ -104,3 +157,10 @@ def test_stem_channels_differ_only_where_the_network_uses_them():
     assert model_differences(conv | {"stem_channels": [32, 64, 128]}, conv) == [
         "model.stem_channels: [32, 64, 128] (checkpoint) vs [32, 64] (config)"
     ]
+    # A checkpoint from before stem_strides built the strides that null builds now, and
+    # only those.
+    assert model_differences(conv | old, conv | {"stem_strides": [2, 2]}) == []
+    assert model_differences(conv | old, conv | {"stem_strides": [2, 1]}) == [
+        "model.stem_strides: [2, 2] (checkpoint) vs [2, 1] (config)"
+    ]
+    assert model_differences(patch | old, patch | {"stem_strides": None}) == []

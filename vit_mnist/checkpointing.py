@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vit_mnist.errors import CheckpointError, ConfigError, WriteError
 from vit_mnist.io import atomic_write_bytes
-from vit_mnist.models.stem import CONV_STEM_CHANNELS
+from vit_mnist.models.checks import CONV_STEM_CHANNELS, conv_stem_strides
 from vit_mnist.module import RUN_INFO_KEY
 from vit_mnist.settings import EvalSettings, check_settings, import_target
 
@@ -66,8 +66,14 @@ def model_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> list[st
     A key that only one side has (an argument added or removed since the checkpoint
     was written) is not a difference: its default applies.
     """
+    # Strides that neither side sets follow from the channels: one difference, not two.
+    derived = (
+        {"stem_strides"}
+        if stored.get("stem_strides") is wanted.get("stem_strides") is None
+        else set()
+    )
     stored, wanted = _built(stored), _built(wanted)
-    keys = sorted((stored.keys() & wanted.keys()) - _NOT_MODEL_IDENTITY)
+    keys = sorted((stored.keys() & wanted.keys()) - _NOT_MODEL_IDENTITY - derived)
     return [
         f"model.{k}: {stored[k]} (checkpoint) vs {wanted[k]} (config)"
         for k in keys
@@ -76,13 +82,15 @@ def model_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> list[st
 
 
 def _built(model: dict[str, Any]) -> dict[str, Any]:
-    """``model`` with ``stem_channels`` as the network is built with it: dropped for the
-    patch embedding (checkpoints of 2026-11-28 store [32, 64] there), the conv stem's
-    default for null."""
+    """``model`` with ``stem_channels`` and ``stem_strides`` as the network is built with
+    them: dropped for the patch embedding (checkpoints of 2026-11-28 store [32, 64] there),
+    the conv stem's defaults for null or left out (checkpoints before stem_strides)."""
     if model.get("stem", "patch") == "patch":
-        return {k: v for k, v in model.items() if k != "stem_channels"}
+        return {k: v for k, v in model.items() if k not in ("stem_channels", "stem_strides")}
     channels = model.get("stem_channels")
-    return {**model, "stem_channels": list(CONV_STEM_CHANNELS if channels is None else channels)}
+    channels = list(CONV_STEM_CHANNELS if channels is None else channels)
+    strides = conv_stem_strides(model["patch_size"], channels, model.get("stem_strides"))
+    return {**model, "stem_channels": channels, "stem_strides": strides}
 
 
 def resolve_latest(

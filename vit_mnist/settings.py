@@ -192,6 +192,7 @@ class ModelSettings(Section):
     distillation: bool = _f()
     stem: Literal["patch", "conv"] = _f("model.stem=conv")
     stem_channels: list[Annotated[int, Field(ge=1)]] | None = _f("model.stem_channels=[32,64]")
+    stem_strides: list[Annotated[int, Field(ge=1)]] | None = _f("model.stem_strides=[2,1,2,1]")
 
 
 class ModuleSettings(Built):
@@ -520,8 +521,11 @@ def unknown_key(
 def _range(field: Any, item: bool) -> str:
     """``in [0, 1)``, ``>= 1`` or ``< 1`` from a field's bounds (its items' for a list)."""
     metadata = field.metadata
-    if item:
-        (inner,) = typing.get_args(field.annotation)
+    if item:  # list[Annotated[T, Field(...)]], or that | None
+        items = field.annotation
+        if typing.get_origin(items) is not list:  # list[...] | None
+            (items,) = (a for a in typing.get_args(items) if a is not type(None))
+        (inner,) = typing.get_args(items)
         metadata = typing.get_args(inner)[1].metadata
     bound = {k: getattr(m, k) for m in metadata for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}
 

@@ -123,14 +123,15 @@ def check_config(cfg: DictConfig, model: dict[str, Any] | None = None) -> None:
     # Every key's type and range (seed_everything would truncate seed=1.5 to 1 while
     # metrics.json recorded 1.5); what follows checks values against each other.
     check_settings(cfg, TrainSettings)
-    channels = cfg.model.get("stem_channels")
-    if channels is not None and cfg.model.get("stem") == "patch" and not cfg.get("init_from"):
-        # Here, not in the model's checks: checkpoints of 2026-11-28 store [32, 64] beside
-        # stem=patch, and they must still build (and init_from builds the checkpoint's).
-        raise ConfigError(
-            f"model.stem_channels={_resolved(channels)} is used by the "
-            "convolutional stem only; add model.stem=conv, or leave stem_channels out"
-        )
+    for key in ("stem_channels", "stem_strides"):
+        value = cfg.model.get(key)
+        if value is not None and cfg.model.get("stem") == "patch" and not cfg.get("init_from"):
+            # Here, not in the model's checks: checkpoints of 2026-11-28 store [32, 64]
+            # beside stem=patch, and they must still build (init_from builds the checkpoint's).
+            raise ConfigError(
+                f"model.{key}={_resolved(value)} is used by the convolutional stem only; "
+                f"add model.stem=conv, or leave {key} out"
+            )
     model = model or _resolved(cfg.model)
     check_model_args(model)
     data = cfg.data

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from vit_mnist.models.checks import CONV_STEM_CHANNELS, conv_stem_strides
+
 
 def check_image_size(x: torch.Tensor, img_size: int) -> None:
     """Raise a ValueError naming both sizes when images (B, C, H, W) are not img_size^2."""
@@ -57,23 +59,25 @@ class PatchEmbedding(nn.Module):
         return F.linear(patches, self.proj.weight.flatten(1), self.proj.bias)  # x_p E
 
 
-# The 3x3 convolutions' channels when ``model.stem_channels`` is null: 7 x 7 tokens at
-# patch_size 4, each seeing 7 x 7 pixels.
-CONV_STEM_CHANNELS = (32, 64)
-
-
 class ConvStem(nn.Module):
-    """3x3 convolutions (BatchNorm, ReLU), stride 2 while the patch size is even, then a
-    projection to ``embed_dim`` with kernel = stride = what is left of the patch (1x1 when
-    the strides made the whole patch): the same ``(img_size // patch_size) ** 2`` tokens as
-    :class:`PatchEmbedding`, each seeing ``receptive_field`` pixels
-    (overlapping neighbours) instead of its own patch.
+    """3x3 convolutions (BatchNorm, ReLU) with the strides of
+    :func:`~vit_mnist.models.checks.conv_stem_strides`,
+    then a projection to ``embed_dim`` with kernel = stride = what is left of the patch
+    (1x1 when the strides made the whole patch): the same ``(img_size // patch_size) ** 2``
+    tokens as :class:`PatchEmbedding`, each seeing ``receptive_field`` pixels
+    (overlapping neighbours) instead of its own patch. A stride-1 convolution before the
+    last stride 2 works at a finer grid than the tokens', as the ViT paper's hybrid does
+    with its ResNet stages.
 
     Args:
         img_size, patch_size, in_chans, embed_dim: as for the patch embedding.
-        channels: output channels of each 3x3 convolution; None: :data:`CONV_STEM_CHANNELS`.
+        channels: output channels of each 3x3 convolution; None: ``CONV_STEM_CHANNELS``.
+        strides: each convolution's stride; None: stride 2 while the patch allows.
 
     Shapes: (batch, in_chans, img_size, img_size) float -> (batch, num_patches, embed_dim).
+
+    Raises:
+        ConfigError: see :func:`~vit_mnist.models.checks.conv_stem_strides`.
     """
 
     def __init__(
@@ -84,16 +88,18 @@ class ConvStem(nn.Module):
         in_chans: int,
         embed_dim: int,
         channels: Sequence[int] | None = None,
+        strides: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         self.img_size = img_size
         self.patch_size = patch_size
         self.grid_size = img_size // patch_size
         self.num_patches = self.grid_size**2
+        channels = CONV_STEM_CHANNELS if channels is None else channels
         layers: list[nn.Module] = []
         left, width, field, jump = patch_size, in_chans, 1, 1  # field, jump: pixels
-        for out in CONV_STEM_CHANNELS if channels is None else channels:
-            stride = 2 if left % 2 == 0 else 1
+        strides = conv_stem_strides(patch_size, channels, strides)
+        for out, stride in zip(channels, strides, strict=True):
             layers += [
                 nn.Conv2d(width, out, 3, stride=stride, padding=1, bias=False),
                 nn.BatchNorm2d(out),

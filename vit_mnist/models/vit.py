@@ -114,7 +114,7 @@ class VisionTransformer(nn.Module):
             :meth:`forward_head`. False builds the textbook model, parameter for parameter.
         stem: ``"patch"``, the textbook patch embedding, or ``"conv"``, the hybrid's
             convolutional stem (:class:`~vit_mnist.models.stem.ConvStem`, ``stem_channels``
-            wide, None for its default) onto the same token grid.
+            wide with ``stem_strides``, None for their defaults) onto the same token grid.
 
     Shapes: images (batch, in_chans, img_size, img_size) float -> logits (batch, num_classes).
     Tokens: the CLS token (and with ``distillation`` the distillation token), then
@@ -145,6 +145,7 @@ class VisionTransformer(nn.Module):
         distillation: bool = False,
         stem: str = "patch",
         stem_channels: Sequence[int] | None = None,
+        stem_strides: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         check_vit_args(**{k: v for k, v in locals().items() if k not in ("self", "__class__")})
@@ -159,7 +160,9 @@ class VisionTransformer(nn.Module):
         self.patch_embed = (
             PatchEmbedding(**pixels, embed_dim=embed_dim)
             if stem == "patch"
-            else ConvStem(**pixels, embed_dim=embed_dim, channels=stem_channels)
+            else ConvStem(
+                **pixels, embed_dim=embed_dim, channels=stem_channels, strides=stem_strides
+            )
         )
         self.num_prefix_tokens = 2 if distillation else 1
         self.num_tokens = self.patch_embed.num_patches + self.num_prefix_tokens
