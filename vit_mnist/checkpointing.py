@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vit_mnist.errors import CheckpointError, ConfigError, WriteError
 from vit_mnist.io import atomic_write_bytes
-from vit_mnist.models.checks import CONV_STEM_CHANNELS, conv_stem_strides
+from vit_mnist.models.checks import CONV_STEM_KEYS, conv_stem_layout
 from vit_mnist.module import RUN_INFO_KEY
 from vit_mnist.settings import EvalSettings, check_settings, import_target
 
@@ -86,11 +86,9 @@ def _built(model: dict[str, Any]) -> dict[str, Any]:
     them: dropped for the patch embedding (checkpoints of 2026-11-28 store [32, 64] there),
     the conv stem's defaults for null or left out (checkpoints before stem_strides)."""
     if model.get("stem", "patch") == "patch":
-        return {k: v for k, v in model.items() if k not in ("stem_channels", "stem_strides")}
-    channels = model.get("stem_channels")
-    channels = list(CONV_STEM_CHANNELS if channels is None else channels)
-    strides = conv_stem_strides(model["patch_size"], channels, model.get("stem_strides"))
-    return {**model, "stem_channels": channels, "stem_strides": strides}
+        return {k: v for k, v in model.items() if k not in CONV_STEM_KEYS}
+    layout = conv_stem_layout(model["patch_size"], *(model.get(k) for k in CONV_STEM_KEYS))
+    return {**model, **dict(zip(CONV_STEM_KEYS, layout, strict=True))}
 
 
 def resolve_latest(

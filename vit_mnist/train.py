@@ -34,6 +34,7 @@ from vit_mnist.errors import ConfigError, WriteError, exit_on_user_error
 from vit_mnist.hardware import describe_device, resolve_accelerator, resolve_precision, uses_cuda
 from vit_mnist.io import unwritable, write_metrics
 from vit_mnist.models import check_model_args
+from vit_mnist.models.checks import CONV_STEM_KEYS
 from vit_mnist.module import ViTClassifier
 from vit_mnist.settings import PRECISIONS, TrainSettings, check_settings, import_target
 from vit_mnist.speed.choose import Choice, prepare_speed
@@ -123,7 +124,7 @@ def check_config(cfg: DictConfig, model: dict[str, Any] | None = None) -> None:
     # Every key's type and range (seed_everything would truncate seed=1.5 to 1 while
     # metrics.json recorded 1.5); what follows checks values against each other.
     check_settings(cfg, TrainSettings)
-    for key in ("stem_channels", "stem_strides"):
+    for key in CONV_STEM_KEYS:
         value = cfg.model.get(key)
         if value is not None and cfg.model.get("stem") == "patch" and not cfg.get("init_from"):
             # Here, not in the model's checks: checkpoints of 2026-11-28 store [32, 64]

@@ -16,13 +16,15 @@ from vit_mnist.models.attention import check_attention_args
 # The 3x3 convolutions' channels when ``model.stem_channels`` is null: 7 x 7 tokens at
 # patch_size 4, each seeing 7 x 7 pixels.
 CONV_STEM_CHANNELS = (32, 64)
+# The model settings that only the convolutional stem reads.
+CONV_STEM_KEYS = ("stem_channels", "stem_strides")
 
 
-def conv_stem_strides(
+def conv_stem_layout(
     patch_size: int, channels: Sequence[int] | None = None, strides: Sequence[int] | None = None
-) -> list[int]:
-    """The stride of each 3x3 convolution of a :class:`~vit_mnist.models.stem.ConvStem`,
-    as it is built.
+) -> tuple[list[int], list[int]]:
+    """The output channels and the stride of each 3x3 convolution of a
+    :class:`~vit_mnist.models.stem.ConvStem`, as it is built.
 
     Args:
         patch_size: the token's patch side, in pixels.
@@ -32,22 +34,25 @@ def conv_stem_strides(
             2 while what is left of the patch is even, then 1 (``[2, 2, 1]`` for three
             convolutions at patch 4).
 
+    Returns:
+        ``(channels, strides)``, two lists of one entry per convolution.
+
     Raises:
         ConfigError (a ValueError): strides of another length than ``channels``, or whose
             product does not divide the patch.
     """
-    channels = CONV_STEM_CHANNELS if channels is None else channels
+    channels = list(CONV_STEM_CHANNELS if channels is None else channels)
     if strides is None:
         out, left = [], patch_size
         for _ in channels:
             out.append(2 if left % 2 == 0 else 1)
             left //= out[-1]
-        return out
+        return channels, out
     strides = list(strides)
     if len(strides) != len(channels):
         raise ConfigError(
             f"model.stem_strides={strides} needs one stride per convolution of "
-            f"model.stem_channels={list(channels)}: give {len(channels)} of them"
+            f"model.stem_channels={channels}: give {len(channels)} of them"
         )
     if patch_size % math.prod(strides):
         raise ConfigError(
@@ -55,7 +60,7 @@ def conv_stem_strides(
             f"does not divide patch_size={patch_size}: the tokens must stay the patch grid, "
             f"so make the strides' product a divisor of {patch_size}"
         )
-    return strides
+    return channels, strides
 
 
 def check_vit_args(
@@ -85,7 +90,7 @@ def check_vit_args(
             ``patch_size=5 does not divide img_size=28``, ``embed_dim=64 is not divisible
             by num_heads=3``, a ``num_heads`` list whose length is not ``depth`` or that
             comes without ``head_dim``, an MLP of width 0, a conv stem's strides that
-            :func:`conv_stem_strides` refuses.
+            :func:`conv_stem_layout` refuses.
     """
     if img_size % patch_size != 0:
         divisors = [d for d in range(1, img_size + 1) if img_size % d == 0]
@@ -106,6 +111,6 @@ def check_vit_args(
     for h in num_heads:
         check_attention_args(embed_dim=embed_dim, num_heads=h, head_dim=head_dim)
     if stem == "conv":
-        conv_stem_strides(patch_size, stem_channels, stem_strides)
+        conv_stem_layout(patch_size, stem_channels, stem_strides)
     if round(embed_dim * mlp_ratio) <= 0:
         raise ConfigError(f"mlp_ratio={mlp_ratio} gives an MLP of width 0 at embed_dim={embed_dim}")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from vit_mnist.models.checks import CONV_STEM_CHANNELS, conv_stem_strides
+from vit_mnist.models.checks import conv_stem_layout
 
 
 def check_image_size(x: torch.Tensor, img_size: int) -> None:
@@ -61,7 +61,7 @@ class PatchEmbedding(nn.Module):
 
 class ConvStem(nn.Module):
     """3x3 convolutions (BatchNorm, ReLU) with the strides of
-    :func:`~vit_mnist.models.checks.conv_stem_strides`,
+    :func:`~vit_mnist.models.checks.conv_stem_layout`,
     then a projection to ``embed_dim`` with kernel = stride = what is left of the patch
     (1x1 when the strides made the whole patch): the same ``(img_size // patch_size) ** 2``
     tokens as :class:`PatchEmbedding`, each seeing ``receptive_field`` pixels
@@ -71,13 +71,13 @@ class ConvStem(nn.Module):
 
     Args:
         img_size, patch_size, in_chans, embed_dim: as for the patch embedding.
-        channels: output channels of each 3x3 convolution; None: ``CONV_STEM_CHANNELS``.
+        channels: output channels of each 3x3 convolution; None: the layout's default.
         strides: each convolution's stride; None: stride 2 while the patch allows.
 
     Shapes: (batch, in_chans, img_size, img_size) float -> (batch, num_patches, embed_dim).
 
     Raises:
-        ConfigError: see :func:`~vit_mnist.models.checks.conv_stem_strides`.
+        ConfigError: see :func:`~vit_mnist.models.checks.conv_stem_layout`.
     """
 
     def __init__(
@@ -95,10 +95,9 @@ class ConvStem(nn.Module):
         self.patch_size = patch_size
         self.grid_size = img_size // patch_size
         self.num_patches = self.grid_size**2
-        channels = CONV_STEM_CHANNELS if channels is None else channels
         layers: list[nn.Module] = []
         left, width, field, jump = patch_size, in_chans, 1, 1  # field, jump: pixels
-        strides = conv_stem_strides(patch_size, channels, strides)
+        channels, strides = conv_stem_layout(patch_size, channels, strides)
         for out, stride in zip(channels, strides, strict=True):
             layers += [
                 nn.Conv2d(width, out, 3, stride=stride, padding=1, bias=False),
