@@ -64,20 +64,17 @@ def model_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> list[st
     ``"model.KEY: STORED (checkpoint) vs WANTED (config)"``; empty when they match.
 
     A key that only one side has (an argument added or removed since the checkpoint
-    was written) is not a difference: its default applies.
+    was written) is not a difference: its default applies. Values are compared as the
+    network is built with them (:func:`_built`), and a key both sides give alike is not a
+    difference even where its built value differs: that follows from another key, which
+    is named (null strides follow the channels).
     """
-    # Strides that neither side sets follow from the channels: one difference, not two.
-    derived = (
-        {"stem_strides"}
-        if stored.get("stem_strides") is wanted.get("stem_strides") is None
-        else set()
-    )
-    stored, wanted = _built(stored), _built(wanted)
-    keys = sorted((stored.keys() & wanted.keys()) - _NOT_MODEL_IDENTITY - derived)
+    built_stored, built_wanted = _built(stored), _built(wanted)
+    keys = sorted((built_stored.keys() & built_wanted.keys()) - _NOT_MODEL_IDENTITY)
     return [
-        f"model.{k}: {stored[k]} (checkpoint) vs {wanted[k]} (config)"
+        f"model.{k}: {built_stored[k]} (checkpoint) vs {built_wanted[k]} (config)"
         for k in keys
-        if stored[k] != wanted[k]
+        if built_stored[k] != built_wanted[k] and stored.get(k) != wanted.get(k)
     ]
 
 
