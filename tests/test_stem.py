@@ -106,8 +106,16 @@ def test_a_conv_stem_trains_evaluates_and_exports(tmp_path):
 
 def test_stem_channels_without_the_conv_stem_is_refused_not_ignored(tmp_path):
     overrides = ["data=synthetic", "trainer=cpu", *TINY_MODEL, "model.stem_channels=[16,32]"]
-    with pytest.raises(ConfigError, match=r"^model.stem_channels=\[16, 32\] is used by the conv"):
+    with pytest.raises(ConfigError, match=r"^model.stem_channels=\[16, 32\]: used by the conv"):
         train(compose_config("train", overrides, tmp_path))
+    # Both keys named at once, each with the null that clears it (an experiment sets both).
+    both = [*overrides, "model.stem_strides=[2,2]"]
+    with pytest.raises(ConfigError) as refused:
+        train(compose_config("train", both, tmp_path))
+    assert str(refused.value).endswith(
+        "add model.stem_channels=null model.stem_strides=null (the experiment or model config"
+        " may be what set them)"
+    )
     # The default, null, gives the conv stem its own channels.
     stem = VisionTransformer(patch_size=4, stem="conv", stem_channels=None).patch_embed
     assert [m.out_channels for m in stem.convs if isinstance(m, torch.nn.Conv2d)] == [32, 64]

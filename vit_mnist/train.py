@@ -124,15 +124,17 @@ def check_config(cfg: DictConfig, model: dict[str, Any] | None = None) -> None:
     # Every key's type and range (seed_everything would truncate seed=1.5 to 1 while
     # metrics.json recorded 1.5); what follows checks values against each other.
     check_settings(cfg, TrainSettings)
-    for key in CONV_STEM_KEYS:
-        value = cfg.model.get(key)
-        if value is not None and cfg.model.get("stem") == "patch" and not cfg.get("init_from"):
-            # Here, not in the model's checks: checkpoints of 2026-11-28 store [32, 64]
-            # beside stem=patch, and they must still build (init_from builds the checkpoint's).
-            raise ConfigError(
-                f"model.{key}={_resolved(value)} is used by the convolutional stem only; "
-                f"add model.stem=conv, or leave {key} out"
-            )
+    given = [key for key in CONV_STEM_KEYS if cfg.model.get(key) is not None]
+    if given and cfg.model.get("stem") == "patch" and not cfg.get("init_from"):
+        # Here, not in the model's checks: checkpoints of 2026-11-28 store [32, 64]
+        # beside stem=patch, and they must still build (init_from builds the checkpoint's).
+        # Every such key at once: an experiment (fashion_cpu_best) sets both.
+        values = ", ".join(f"model.{key}={_resolved(cfg.model[key])}" for key in given)
+        nulls = " ".join(f"model.{key}=null" for key in given)
+        raise ConfigError(
+            f"{values}: used by the convolutional stem only; add model.stem=conv, or add "
+            f"{nulls} (the experiment or model config may be what set them)"
+        )
     model = model or _resolved(cfg.model)
     check_model_args(model)
     data = cfg.data
