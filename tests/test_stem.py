@@ -145,7 +145,7 @@ def test_stem_channels_without_the_conv_stem_is_refused_not_ignored(tmp_path):
             ["model.stem=conv", "model.stem_strides=[0,2]"],
             r"^model.stem_strides=\[0,2\]: each value must be >= 1",
         ),
-        (["model.stem_strides=[2,2]"], r"^model.stem_strides=\[2, 2\] is used by the conv"),
+        (["model.stem_strides=[2,2]"], r"^model.stem_strides=\[2, 2\]: used by the conv"),
     ],
 )
 def test_stem_strides_are_checked_before_any_work(tmp_path, overrides, message):
