@@ -564,6 +564,43 @@ def test_short_steps_are_timed_in_rounds_of_min_round_s(monkeypatch):
     assert speeds["reference 32-true"] == pytest.approx(4 / 0.02)
 
 
+def test_a_slow_step_is_still_timed_over_min_rounds(monkeypatch):
+    """A 2 s step (a big model on a 2-core CPU) passes the 6 s budget in the first round;
+    the median is still taken over min_rounds rounds, not one sample, and no more."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    steps: dict[str, int] = {}
+    clock = [0.0]
+    counted = _counted_path("reference", steps)
+
+    def build(net):
+        forward = counted.build(net)
+
+        def step(x):
+            clock[0] += 2.0
+            return forward(x)
+
+        return step
+
+    monkeypatch.setattr(
+        choose_mod, "PATHS", {"reference": dataclasses.replace(counted, build=build)}
+    )
+    monkeypatch.setattr(choose_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
+    choose_mod.time_candidates(
+        net,
+        [("reference", "32-true")],
+        device=CPU,
+        batch_size=4,
+        rounds=5,
+        min_rounds=3,
+        steps=2,
+        budget_s=6.0,
+    )
+    assert steps["reference"] == 1 + 3 * 2  # the first step, then three rounds of two
+
+
 def test_prepare_speed_sets_the_step_and_leaves_the_checkpoint_keys_alone():
     """The speed layer sets one plain attribute of the LightningModule: the state dict (so
     every checkpoint) holds the same keys on every path, net.* and no copy under another

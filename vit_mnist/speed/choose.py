@@ -215,17 +215,20 @@ def time_candidates(
     device: torch.device,
     batch_size: int,
     rounds: int = 5,
+    min_rounds: int = 3,
     steps: int = 2,
     min_round_s: float = 0.1,
     budget_s: float = 6.0,
     augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Images/s of each (path, precision) pair: ``"path precision" -> images/s``, the median
-    of ``rounds`` interleaved rounds (order reversed every other round; stopped after
-    ``budget_s`` seconds) of ``steps`` steps, or as many as fill ``min_round_s`` seconds. A
-    step is the loop's: ``augment`` of a random batch of ``batch_size`` images, forward,
-    cross-entropy, backward, fused AdamW (docs/speed.md, "How auto chooses"). Runs on a copy
-    of ``net`` and restores the random-number state: the run that follows is unchanged."""
+    of ``rounds`` interleaved rounds (order reversed every other round) of ``steps`` steps,
+    or as many as fill ``min_round_s`` seconds. The rounds stop after ``budget_s`` seconds
+    once ``min_rounds`` have run: one round is one sample of a machine whose speed moves by
+    10% or more between rounds. A step is the loop's: ``augment`` of a random batch of
+    ``batch_size`` images, forward, cross-entropy, backward, fused AdamW (docs/speed.md,
+    "How auto chooses"). Runs on a copy of ``net`` and restores the random-number state:
+    the run that follows is unchanged."""
     cuda = device.type == "cuda"
     with torch.random.fork_rng(devices=[device] if cuda else []):
         model = copy.deepcopy(net).to(device).train()
@@ -258,7 +261,7 @@ def time_candidates(
                 n = max(steps, math.ceil(min_round_s / max(step_s[pair], 1e-6)))
                 step_s[pair] = seconds_per_step(pair, n)
                 speeds[pair].append(batch_size / step_s[pair])
-            if time.perf_counter() - start > budget_s:
+            if r + 1 >= min_rounds and time.perf_counter() - start > budget_s:
                 break
         return {f"{p} {q}": statistics.median(v) for (p, q), v in speeds.items()}
 
