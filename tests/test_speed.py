@@ -531,9 +531,10 @@ def test_a_single_candidate_is_timed_over_every_round(monkeypatch):
     assert steps["reference"] == 1 + 3 * 2  # the first step, then three rounds of two
 
 
-def test_short_steps_are_timed_in_rounds_of_min_round_s(monkeypatch):
-    """A 20 ms step, as a GPU's, on a clock that only the steps move (so the machine's
-    load cannot change the count): rounds of 0.1 s, not of 2 steps."""
+def _clocked_reference(monkeypatch, step_s: float) -> dict[str, int]:
+    """The reference path as the only candidate, each step ``step_s`` seconds on a clock
+    that only the steps move (so the machine's load cannot change the count); returns the
+    step counts."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -545,7 +546,7 @@ def test_short_steps_are_timed_in_rounds_of_min_round_s(monkeypatch):
         forward = counted.build(net)
 
         def step(x):
-            clock[0] += 0.02
+            clock[0] += step_s
             return forward(x)
 
         return step
@@ -554,6 +555,12 @@ def test_short_steps_are_timed_in_rounds_of_min_round_s(monkeypatch):
         choose_mod, "PATHS", {"reference": dataclasses.replace(counted, build=build)}
     )
     monkeypatch.setattr(choose_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    return steps
+
+
+def test_short_steps_are_timed_in_rounds_of_min_round_s(monkeypatch):
+    """A 20 ms step, as a GPU's: rounds of 0.1 s, not of 2 steps."""
+    steps = _clocked_reference(monkeypatch, 0.02)
     net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
     pair = ("reference", "32-true")
     speeds = choose_mod.time_candidates(
@@ -567,26 +574,7 @@ def test_short_steps_are_timed_in_rounds_of_min_round_s(monkeypatch):
 def test_a_slow_step_is_still_timed_over_min_rounds(monkeypatch):
     """A 2 s step (a big model on a 2-core CPU) passes the 6 s budget in the first round;
     the median is still taken over min_rounds rounds, not one sample, and no more."""
-    import dataclasses
-    from types import SimpleNamespace
-
-    steps: dict[str, int] = {}
-    clock = [0.0]
-    counted = _counted_path("reference", steps)
-
-    def build(net):
-        forward = counted.build(net)
-
-        def step(x):
-            clock[0] += 2.0
-            return forward(x)
-
-        return step
-
-    monkeypatch.setattr(
-        choose_mod, "PATHS", {"reference": dataclasses.replace(counted, build=build)}
-    )
-    monkeypatch.setattr(choose_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    steps = _clocked_reference(monkeypatch, 2.0)
     net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
     choose_mod.time_candidates(
         net,
