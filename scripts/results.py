@@ -210,14 +210,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--circuits-report", type=Path, help="Markdown file for the circuits table")
     args = parser.parse_args(argv)
     try:
-        runs = find_runs(args.run_dirs)
+        # A study's full runs that only rank on validation (test=false) count for the proxy
+        # table; the results table takes the runs with a test reading.
+        proxy_check = args.proxy_report or args.proxy_runs is not None
+        runs = find_runs(args.run_dirs, tested=not proxy_check)
         default = find_runs([args.default_run])[0] if args.default_run else None
         proxies = find_runs([args.proxy_runs], tested=False) if args.proxy_runs else []
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = group_rows(runs)
-    table = markdown_table(rows, default)
+    rows = group_rows([run for run in runs if "test/acc" in run.metrics])
+    table = markdown_table(rows, default) if rows else ""
     failed = find_failed(args.run_dirs)
     if failed:
         table += f"\n{len(failed)} failed job(s), not in the table:\n\n"

@@ -461,7 +461,9 @@ def test_ema_callback_trains_and_validates_with_averaged_weights(make_train_cfg)
     assert 0 <= metrics["test/acc"] <= 1 and metrics["epochs"] == 2
 
 
-def test_proxy_table_ranks_the_configurations_by_their_early_and_full_validation(tmp_path):
+def test_proxy_table_ranks_the_configurations_by_their_early_and_full_validation(
+    tmp_path, capsys
+):
     # A study's proxy is trusted only if its ranking agrees with the full runs' (issue 77).
     from torch.utils.tensorboard import SummaryWriter
 
@@ -479,13 +481,16 @@ def test_proxy_table_ranks_the_configurations_by_their_early_and_full_validation
         "c": [0.70, 0.75, 0.78, 0.79, 0.80, 0.81, 0.82, 0.83],
     }
     shorts = {"a": [0.6, 0.7], "b": [0.5, 0.8], "c": [0.75, 0.78]}  # ranks b > c > a
+
+    def untested(path):  # a run with test=false: no test/acc
+        metrics = path / "metrics.json"
+        trial = {k: v for k, v in json.loads(metrics.read_text()).items() if k != "test/acc"}
+        metrics.write_text(json.dumps(trial))
+
     for name in curves:
         run(tmp_path / "full" / name, curves[name])
         run(tmp_path / "short" / name, shorts[name])
-        # A study's trial never reads the test set (test=false): no test/acc to show.
-        metrics = tmp_path / "short" / name / "metrics.json"
-        trial = {k: v for k, v in json.loads(metrics.read_text()).items() if k != "test/acc"}
-        metrics.write_text(json.dumps(trial))
+        untested(tmp_path / "short" / name)  # a study's trial never reads the test set
 
     def rows(table):
         return [line.strip("| ").split(" | ") for line in table.splitlines()]
@@ -500,6 +505,19 @@ def test_proxy_table_ranks_the_configurations_by_their_early_and_full_validation
     assert table[0][1] == "2-epoch proxy: best val acc %"
     assert table[2][1] == "70.00"
     assert table[-1][1:4] == ["-0.50", "-0.50", "+1.00"]
+
+    # The full runs that check a study's proxy rank on validation only (test=false) too:
+    # the script tables them without a results table, and shows no test accuracy.
+    from scripts.results import main
+
+    for name in curves:
+        untested(tmp_path / "full" / name)
+    assert main([str(tmp_path / "full"), "--proxy-runs", str(tmp_path / "short")]) == 0
+    table = rows(capsys.readouterr().out.strip())
+    assert table[0][1] == "2-epoch proxy: best val acc %"
+    assert table[2][-1] == "-" and table[-1][1:4] == ["-0.50", "-0.50", "+1.00"]
+    with pytest.raises(FileNotFoundError, match="no training run"):
+        find_runs([tmp_path / "full"])  # the results table still needs a test accuracy
 
 
 def test_results_script_refuses_a_missing_proxy_or_default_run_in_one_line(tmp_path, capsys):

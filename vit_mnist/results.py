@@ -604,7 +604,8 @@ def proxy_table(
     ``fraction`` of the full run's epochs (what a pruner sees of a full-length trial:
     Optuna's median pruner or Hyperband through the Lightning callback) and the full run's
     best; then Spearman's rank correlation of each proxy with the full runs' best. Values
-    are percentages; the test accuracy is shown, never ranked on."""
+    are percentages; the test accuracy is shown (``-`` for a run with ``test=false``),
+    never ranked on."""
     short = {run.path.name: max(val_curve(run), default=float("nan")) for run in proxies}
     studied = [(run, curve) for run in runs if (curve := val_curve(run))]
     header = ["configuration"]
@@ -620,8 +621,8 @@ def proxy_table(
         for f in fractions:
             columns[f].append(curve[max(0, round(f * len(curve)) - 1)])
             cells.append(f"{100 * columns[f][-1]:.2f}")
-        test = 100 * float(run.metrics["test/acc"])
-        lines.append([*cells, str(len(curve)), f"{100 * max(curve):.2f}", f"{test:.2f}"])
+        test = f"{100 * run.metrics['test/acc']:.2f}" if "test/acc" in run.metrics else "-"
+        lines.append([*cells, str(len(curve)), f"{100 * max(curve):.2f}", test])
     best = [max(curve) for _, curve in studied]
     rho = [f"{_spearman(columns[k], best):+.2f}" for k in columns if columns[k]]
     return _markdown(header, [*lines, ["Spearman with the full run", *rho, "", "", ""]])
