@@ -30,6 +30,7 @@ LAYERS: list[str] = [
     "vit_mnist.callbacks.save_on_interrupt",
     "vit_mnist.callbacks.attention_maps",
     "vit_mnist.callbacks.throughput",
+    "vit_mnist.callbacks.trial_pruning",
     "vit_mnist.checkpointing",
     "vit_mnist.module",
     "vit_mnist.schedule",

@@ -461,9 +461,7 @@ def test_ema_callback_trains_and_validates_with_averaged_weights(make_train_cfg)
     assert 0 <= metrics["test/acc"] <= 1 and metrics["epochs"] == 2
 
 
-def test_proxy_table_ranks_the_configurations_by_their_early_and_full_validation(
-    tmp_path, capsys
-):
+def test_proxy_table_ranks_the_configurations_by_their_early_and_full_validation(tmp_path, capsys):
     # A study's proxy is trusted only if its ranking agrees with the full runs' (issue 77).
     from torch.utils.tensorboard import SummaryWriter
 

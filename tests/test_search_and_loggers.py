@@ -82,6 +82,59 @@ def test_a_study_records_a_failed_trial_goes_on_and_minimises_a_loss(tmp_path, m
     assert study["best_job"] == str(sweep / best)
 
 
+def test_a_study_with_a_pruner_stops_its_trials_and_records_them_as_pruned(
+    tmp_path, monkeypatch, capsys
+):
+    """hydra.sweeper.pruner: each trial's run reports val/acc_best after every epoch, and a
+    pruner that stops every trial from its second epoch on (no accuracy reaches 1.1) ends
+    each 3-epoch run after 2 epochs; the results file records the trials as PRUNED with
+    the value each last reported, and none as the best."""
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = in_process(
+        monkeypatch,
+        capsys,
+        "-m",
+        "hparams_search=mnist_optuna",
+        "hydra.sweeper.n_trials=2",
+        "~hydra.sweeper.pruner",  # mnist_optuna's median pruner, replaced
+        "+hydra.sweeper.pruner={_target_:optuna.pruners.ThresholdPruner,lower:1.1,n_warmup_steps:1}",
+        *[o for o in ONE_EPOCH if not o.startswith("trainer.max_epochs")],
+        "trainer.max_epochs=3",
+        *TINY_MODEL,
+    )
+    assert code == 0, stderr[-3000:]
+    (sweep,) = (tmp_path / "outputs" / "train" / "multiruns").iterdir()
+    runs = [json.loads((sweep / str(j) / "metrics.json").read_text()) for j in range(2)]
+    assert [m["epochs"] for m in runs] == [2, 2]
+    study = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert [t["state"] for t in study["trials"]] == ["PRUNED", "PRUNED"]
+    assert [t["value"] for t in study["trials"]] == pytest.approx([m["val/acc_best"] for m in runs])
+    assert study["best_value"] is None and study["best_job"] is None
+
+
+def test_a_pruner_needs_one_trial_at_a_time_in_this_process(tmp_path, monkeypatch, capsys):
+    from vit_mnist.callbacks.trial_pruning import TrialPruning
+
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = in_process(
+        monkeypatch,
+        capsys,
+        "-m",
+        "hparams_search=mnist_optuna",
+        "hydra.sweeper.n_jobs=2",  # mnist_optuna's median pruner stays
+        *ONE_EPOCH,
+        *TINY_MODEL,
+    )
+    assert code == 2 and stderr.strip().splitlines() == [
+        "error: hydra.sweeper.pruner needs one trial at a time in this process, and got "
+        "hydra.sweeper.n_jobs=2 with BasicLauncher; set hydra.sweeper.n_jobs=1 and keep "
+        "hydra/launcher=basic, or hydra.sweeper.pruner=null"
+    ]
+    assert not list(tmp_path.rglob("*.json"))
+    with pytest.raises(ConfigError, match="no study is running here"):
+        TrialPruning("val/acc_best")  # a run of its own has no trial to report to
+
+
 @pytest.mark.parametrize("name", ["null", "val/accuracy"])
 def test_a_study_of_a_metric_it_cannot_optimise_is_one_line(tmp_path, monkeypatch, capsys, name):
     # Before: every trial failed, then Optuna's traceback.

@@ -15,7 +15,10 @@ loss. This sweeper keeps that package's reading of the search space (``interval`
   ``failed.json`` records why (the job writes it for a user error, this sweeper for any
   other exception), so the command exits 1 after the study, whichever launcher ran it;
 - ``<sweep dir>/optimization_results.yaml`` is written after every trial, atomically: a
-  study stopped by Ctrl-C or a crash keeps the trials it finished.
+  study stopped by Ctrl-C or a crash keeps the trials it finished;
+- with a ``pruner`` (Optuna's median pruner, Hyperband), each trial's run reports its
+  ``optimized_metric`` after every validation and stops when the pruner says so
+  (:class:`vit_mnist.callbacks.trial_pruning.TrialPruning`); the trial is told as ``PRUNED``.
 
 Hydra instantiates sweepers from the ``hydra_plugins`` package only; hence this package.
 """
@@ -50,6 +53,9 @@ class StudySweeper(Sweeper):
         study_name: the study's name in the results file; None: Optuna's.
         params: ``{key: sweep}``, e.g. ``{"module.lr": "tag(log, interval(5e-4, 1e-2))"}``;
             sweeps given on the command line (``model.num_heads=choice(2,4)``) join them.
+        pruner: an Optuna pruner (``optuna.pruners.MedianPruner``, built by Hydra), or None
+            for none. It needs ``n_jobs=1`` and Hydra's basic launcher: the trial is
+            handed to its run in this process.
     """
 
     def __init__(
@@ -59,8 +65,10 @@ class StudySweeper(Sweeper):
         n_jobs: int,
         study_name: str | None = None,
         params: DictConfig | None = None,
+        pruner: Any = None,
     ) -> None:
         self.sampler = sampler
+        self.pruner = pruner
         self.n_trials = n_trials
         self.n_jobs = n_jobs
         self.study_name = study_name
@@ -79,11 +87,14 @@ class StudySweeper(Sweeper):
         """Run the study; returns the jobs' results.
 
         Raises:
-            ConfigError: ``optimized_metric`` is not one of the search metrics.
+            ConfigError: ``optimized_metric`` is not one of the search metrics, or a
+                ``pruner`` with ``n_jobs`` above 1 or another launcher than the basic one.
         """
         import optuna
+        from hydra._internal.core_plugins.basic_launcher import BasicLauncher
         from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
 
+        from vit_mnist.callbacks.trial_pruning import running_trial
         from vit_mnist.errors import ConfigError
         from vit_mnist.settings import SEARCH_METRICS
 
@@ -95,13 +106,29 @@ class StudySweeper(Sweeper):
                 f"use one of {list(SEARCH_METRICS)}, e.g. optimized_metric=val/acc_best"
             )
         direction = SEARCH_METRICS[metric]
+        if self.pruner is not None and (
+            self.n_jobs != 1 or not isinstance(self.launcher, BasicLauncher)
+        ):
+            raise ConfigError(
+                f"hydra.sweeper.pruner needs one trial at a time in this process, and got "
+                f"hydra.sweeper.n_jobs={self.n_jobs} with {type(self.launcher).__name__}; set "
+                "hydra.sweeper.n_jobs=1 and keep hydra/launcher=basic, or hydra.sweeper.pruner=null"
+            )
         space, fixed = create_params_from_overrides(
             [*(f"{k}={v}" for k, v in self.params.items()), *arguments]
         )
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own line per trial
         study = optuna.create_study(
-            study_name=self.study_name, sampler=self.sampler, direction=direction
+            study_name=self.study_name,
+            sampler=self.sampler,
+            direction=direction,
+            pruner=self.pruner or optuna.pruners.NopPruner(),  # Optuna's None is its median
         )
+        if self.pruner is not None:
+            fixed["+callbacks.trial_pruning._target_"] = (
+                "vit_mnist.callbacks.trial_pruning.TrialPruning"
+            )
+            fixed["+callbacks.trial_pruning.monitor"] = metric
         results = Path(self.config.hydra.sweep.dir) / RESULTS_FILE
         log.info(
             "Optuna study %s: %d trials, each to %s %s; results after every trial in %s",
@@ -120,11 +147,19 @@ class StudySweeper(Sweeper):
                 batch = [
                     tuple(f"{k}={v}" for k, v in {**t.params, **fixed}.items()) for t in trials
                 ]
-                launched = self.launcher.launch(batch, initial_job_idx=len(returns))
+                with running_trial(trials[0] if self.pruner is not None else None):
+                    launched = self.launcher.launch(batch, initial_job_idx=len(returns))
                 for trial, job in zip(trials, launched, strict=True):
                     value = _trial_value(job, metric)
                     if value is None:
                         study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                    elif self.pruner is not None and trial.should_prune():
+                        # What the run's TrialPruning saw after its last epoch (no other trial
+                        # ended since), so a run that trailed in its last epoch is PRUNED too,
+                        # as Optuna's own Lightning callback has it.
+                        epochs = study.trials[trial.number].last_step + 1
+                        log.info("trial %d pruned after %d epochs", trial.number, epochs)
+                        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
                     else:
                         study.tell(trial, value)
                     returns.append(job)
@@ -167,13 +202,13 @@ def write_results(
     study: Any, metric: str, direction: str, jobs: Sequence[JobReturn], path: Path
 ) -> None:
     """Write the study so far to ``path`` (YAML, atomically): ``metric``, ``direction``,
-    ``best_value`` and ``best_params`` (null while no trial has finished), ``best_job``
-    (its run dir) and ``trials``: each trial's number, state (``COMPLETE`` or ``FAIL``),
-    value, parameters and run dir."""
+    ``best_value`` and ``best_params`` (null while no trial has completed), ``best_job``
+    (its run dir) and ``trials``: each trial's number, state (``COMPLETE``, ``PRUNED``
+    with the last value its run reported, or ``FAIL``), value, parameters and run dir."""
     from vit_mnist.io import atomic_write_bytes
 
     dirs = [str(j.hydra_cfg.hydra.runtime.output_dir) for j in jobs]
-    done = [t for t in study.trials if t.value is not None]
+    done = [t for t in study.trials if t.state.name == "COMPLETE"]
     best = study.best_trial if done else None
     record = {
         "name": "optuna",

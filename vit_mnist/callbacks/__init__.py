@@ -1,4 +1,5 @@
-"""Lightning callbacks of this project; each is named in ``configs/callbacks/``."""
+"""Lightning callbacks of this project; each is named in ``configs/callbacks/`` except
+``trial_pruning.TrialPruning``, which the study sweeper adds to its trials' runs."""
 
 from vit_mnist.callbacks.attention_maps import AttentionMapLogger
 from vit_mnist.callbacks.save_on_interrupt import SaveOnInterrupt
