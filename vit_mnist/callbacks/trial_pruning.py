@@ -40,10 +40,6 @@ class TrialPruning(L.Callback):
     Args:
         monitor: a metric logged at validation, e.g. ``val/acc_best``.
 
-    Attributes:
-        pruned_at: the epoch (from 0) after which the pruner stopped the run; None if it ran
-            out.
-
     Raises:
         ConfigError: no study trial is running in this process (the callback is the study
             sweeper's; a run of its own has nothing to report to).
@@ -58,13 +54,10 @@ class TrialPruning(L.Callback):
             )
         self.trial = _trial
         self.monitor = monitor
-        self.pruned_at: int | None = None
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or self.monitor not in trainer.callback_metrics:
             return
-        epoch = trainer.current_epoch
-        self.trial.report(float(trainer.callback_metrics[self.monitor]), step=epoch)
+        self.trial.report(float(trainer.callback_metrics[self.monitor]), step=trainer.current_epoch)
         if self.trial.should_prune():
-            self.pruned_at = epoch
             trainer.should_stop = True
