@@ -424,8 +424,8 @@ def test_timing_interleaves_every_candidate_over_every_round(monkeypatch):
     )
     # A step of the slow path sleeps 0.1 s: no round of it can beat 4 images / 0.1 s.
     assert 0 < speeds["slow 32-true"] <= 4 / 0.1 and speeds["reference 32-true"] > 0
-    # One untimed first step each, then three rounds of two steps each.
-    assert steps == {"reference": 7, "slow": 7}
+    # One untimed first step each, two untimed rounds, then three rounds of two steps each.
+    assert steps == {"reference": 11, "slow": 11}
 
 
 def test_a_candidate_counts_with_its_median_round_not_a_lucky_one(monkeypatch):
@@ -444,6 +444,7 @@ def test_a_candidate_counts_with_its_median_round_not_a_lucky_one(monkeypatch):
         steps=1,
         min_round_s=0.0,
         budget_s=1e9,
+        warmup_rounds=0,
     )
     # The lucky round alone ran at about 4 / 0.002 = 2,000 images/s; the others at 80.
     assert 0 < speeds["lucky 32-true"] <= 4 / 0.05
@@ -528,7 +529,8 @@ def test_a_single_candidate_is_timed_over_every_round(monkeypatch):
     choose_mod.time_candidates(
         net, [pair], device=CPU, batch_size=4, rounds=3, steps=2, min_round_s=0, budget_s=1e9
     )
-    assert steps["reference"] == 1 + 3 * 2  # the first step, then three rounds of two
+    # The first step, two untimed rounds, then three rounds of two.
+    assert steps["reference"] == 1 + 2 * 2 + 3 * 2
 
 
 def _clocked_reference(monkeypatch, step_s: float) -> dict[str, int]:
@@ -559,16 +561,17 @@ def _clocked_reference(monkeypatch, step_s: float) -> dict[str, int]:
 
 
 def test_short_steps_are_timed_in_rounds_of_min_round_s(monkeypatch):
-    """A 20 ms step, as a GPU's: rounds of 0.1 s, not of 2 steps."""
-    steps = _clocked_reference(monkeypatch, 0.02)
+    """A 1/64 s step, as a GPU's: rounds of 1/8 s, not of 2 steps (binary fractions, so
+    the clock's sums are exact)."""
+    steps = _clocked_reference(monkeypatch, 1 / 64)
     net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
     pair = ("reference", "32-true")
     speeds = choose_mod.time_candidates(
-        net, [pair], device=CPU, batch_size=4, rounds=2, steps=2, min_round_s=0.1
+        net, [pair], device=CPU, batch_size=4, rounds=2, steps=2, min_round_s=1 / 8
     )
-    # The first step, then two rounds of 0.1 s / 20 ms = 5 steps.
-    assert steps["reference"] == 1 + 5 + 5
-    assert speeds["reference 32-true"] == pytest.approx(4 / 0.02)
+    # The first step, then two untimed and two timed rounds of (1/8) / (1/64) = 8 steps.
+    assert steps["reference"] == 1 + 2 * 8 + 8 + 8
+    assert speeds["reference 32-true"] == pytest.approx(4 * 64)
 
 
 def test_a_slow_step_is_still_timed_over_min_rounds(monkeypatch):
@@ -586,7 +589,33 @@ def test_a_slow_step_is_still_timed_over_min_rounds(monkeypatch):
         steps=2,
         budget_s=6.0,
     )
-    assert steps["reference"] == 1 + 3 * 2  # the first step, then three rounds of two
+    assert steps["reference"] == 1 + 2 * 2 + 3 * 2  # 2 untimed rounds, then 3 of two steps
+
+
+def test_a_candidate_slow_in_its_first_steps_is_timed_once_it_has_settled(monkeypatch):
+    """A fresh process's first steps are slower than the loop's (the allocator still
+    growing its heap: docs/speed.md, "How auto chooses"), and the first candidate pays most:
+    the untimed rounds keep that from deciding, where timing from the first round would
+    not."""
+    for warmup_rounds, fastest in ((2, "settles"), (0, "steady")):
+        paths = {
+            "settles": _counted_path("settles", {}, [0.05] * 5 + [0.0] * 99),
+            "steady": _counted_path("steady", {}, 0.01),
+        }
+        monkeypatch.setattr(choose_mod, "PATHS", paths)
+        net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
+        speeds = choose_mod.time_candidates(
+            net,
+            [("settles", "32-true"), ("steady", "32-true")],
+            device=CPU,
+            batch_size=4,
+            rounds=3,
+            steps=2,
+            min_round_s=0.0,
+            budget_s=1e9,
+            warmup_rounds=warmup_rounds,
+        )
+        assert max(speeds, key=speeds.get) == f"{fastest} 32-true", (warmup_rounds, speeds)
 
 
 def test_prepare_speed_sets_the_step_and_leaves_the_checkpoint_keys_alone():

@@ -216,6 +216,7 @@ def time_candidates(
     batch_size: int,
     rounds: int = 5,
     min_rounds: int = 3,
+    warmup_rounds: int = 2,
     steps: int = 2,
     min_round_s: float = 0.1,
     budget_s: float = 6.0,
@@ -223,9 +224,11 @@ def time_candidates(
 ) -> dict[str, float]:
     """Images/s of each (path, precision) pair: ``"path precision" -> images/s``, the median
     of ``rounds`` interleaved rounds (order reversed every other round) of ``steps`` steps,
-    or as many as fill ``min_round_s`` seconds. The rounds stop after ``budget_s`` seconds
-    once ``min_rounds`` have run: one round is one sample of a machine whose speed moves by
-    10% or more between rounds. A step is the loop's: ``augment`` of a random batch of
+    or as many as fill ``min_round_s`` seconds, after ``warmup_rounds`` untimed ones: in a
+    fresh process the first candidate's first rounds ran 40-60% slow while the allocator
+    grew its heap (docs/speed.md, "How auto chooses"). The rounds stop after ``budget_s``
+    seconds once ``min_rounds`` timed ones have run: one round is one sample of a machine
+    whose speed moves by 10% or more between rounds. A step is the loop's: ``augment`` of a random batch of
     ``batch_size`` images, forward, cross-entropy, backward, fused AdamW (docs/speed.md,
     "How auto chooses"). Runs on a copy of ``net`` and restores the random-number state:
     the run that follows is unchanged."""
@@ -256,11 +259,12 @@ def time_candidates(
         step_s = {pair: seconds_per_step(pair, 1) for pair in pairs}
         speeds: dict[Pair, list[float]] = {pair: [] for pair in pairs}
         start = time.perf_counter()
-        for r in range(rounds):
+        for r in range(-warmup_rounds, rounds):
             for pair in pairs if r % 2 == 0 else pairs[::-1]:
                 n = max(steps, math.ceil(min_round_s / max(step_s[pair], 1e-6)))
                 step_s[pair] = seconds_per_step(pair, n)
-                speeds[pair].append(batch_size / step_s[pair])
+                if r >= 0:
+                    speeds[pair].append(batch_size / step_s[pair])
             if r + 1 >= min_rounds and time.perf_counter() - start > budget_s:
                 break
         return {f"{p} {q}": statistics.median(v) for (p, q), v in speeds.items()}
