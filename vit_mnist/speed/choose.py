@@ -228,10 +228,10 @@ def time_candidates(
     fresh process the first candidate's first rounds ran 40-60% slow while the allocator
     grew its heap (docs/speed.md, "How auto chooses"). The rounds stop after ``budget_s``
     seconds once ``min_rounds`` timed ones have run: one round is one sample of a machine
-    whose speed moves by 10% or more between rounds. A step is the loop's: ``augment`` of a random batch of
-    ``batch_size`` images, forward, cross-entropy, backward, fused AdamW (docs/speed.md,
-    "How auto chooses"). Runs on a copy of ``net`` and restores the random-number state:
-    the run that follows is unchanged."""
+    whose speed moves by 10% or more between rounds. A step is the loop's: ``augment`` of a
+    random batch of ``batch_size`` images, forward, cross-entropy, backward, fused AdamW
+    (docs/speed.md, "How auto chooses"). Runs on a copy of ``net`` and restores the
+    random-number state: the run that follows is unchanged."""
     cuda = device.type == "cuda"
     with torch.random.fork_rng(devices=[device] if cuda else []):
         model = copy.deepcopy(net).to(device).train()
