@@ -434,6 +434,12 @@ def test_resumed_run_equals_uninterrupted_run(make_train_cfg, tmp_path):
     )
     for key in ("test/acc", "test/loss", "val/acc_best", "global_steps", "epochs"):
         assert resumed[key] == full[key], key
+    # The fitting time counts both stretches: the checkpoint carried the first one's.
+    assert full["fit_time_resumed_s"] == 0
+    first = json.loads((Path(part.paths.output_dir) / "metrics.json").read_text())["fit_time_s"]
+    assert resumed["fit_time_resumed_s"] >= first
+    assert resumed["fit_time_s"] > resumed["fit_time_resumed_s"]
+    assert len(resumed["train_images_per_s_by_epoch"]) == 3
     # Resuming the finished run trains nothing: an error, not a copy of its metrics.
     finished = Path(resumed["best_ckpt"]).with_name("last.ckpt")
     again = make_train_cfg(

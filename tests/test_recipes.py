@@ -346,6 +346,28 @@ def test_results_table_gives_each_recipes_fitting_time_over_the_default_runs(tmp
     assert "8.00x (7.50-8.50) of 200 s" in markdown_table([recipe, other], default)
 
 
+def test_results_table_counts_a_resumed_runs_fitting_time_only_when_carried(tmp_path):
+    # A run stopped and resumed is one run: its ckpt_path does not split the row; its
+    # fitting time is the sum its checkpoint carried, or unknown ("-") when it carried none.
+    for seed, carried in [(1, 300.0), (2, 290.0)]:
+        more = {"fit_time_s": 400.0, "fit_time_resumed_s": carried, "resumed_from": "x.ckpt"}
+        fake_run(
+            tmp_path / "carried" / str(seed),
+            heads=4,
+            seed=seed,
+            acc=0.99,
+            extra=[f"ckpt_path=/runs/{seed}/last.ckpt"],
+            more=more,
+        )
+    for seed in (1, 2):  # written before the time was carried: the last stretch only
+        more = {"fit_time_s": 16.0, "resumed_from": "x.ckpt"}
+        fake_run(tmp_path / "old" / str(seed), heads=8, seed=seed, acc=0.99, more=more)
+    carried, old = group_rows(find_runs([tmp_path / "carried", tmp_path / "old"]))
+    assert len(carried.runs) == 2 and "ckpt_path" not in carried.command()
+    assert carried.markdown()[5] == "400"
+    assert old.fit_times() == [] and old.markdown()[5] == "-"
+
+
 def test_results_table_gives_each_cpu_class_its_own_row(tmp_path):
     # The speedrun's 5 seeds on an AVX-512 CPU and again under AVX2 emulation: one command.
     for seed in (1, 2):

@@ -57,8 +57,10 @@ class Run:
 
     @property
     def settings(self) -> list[str]:
-        """This run's overrides, in the order typed, with ``seed`` and Hydra's own left out."""
-        return [o for o in self.overrides if not o.startswith(("seed=", "hydra.", "hydra/"))]
+        """This run's overrides, in the order typed, with ``seed``, Hydra's own and
+        ``ckpt_path`` (a resumed run is the same run) left out."""
+        skip = ("seed=", "hydra.", "hydra/", "ckpt_path=")
+        return [o for o in self.overrides if not o.startswith(skip)]
 
     def command(self) -> str:
         """``python train.py`` with :attr:`settings`, each quoted where a shell would read
@@ -86,7 +88,14 @@ class Row:
 
     def fit_times(self) -> list[float]:
         """Seconds from the first training step to the end of the last (``fit_time_s``; the
-        whole ``trainer.fit`` for runs from before that was recorded)."""
+        whole ``trainer.fit`` for runs from before that was recorded); none when a run of
+        the row was resumed from a checkpoint that did not carry its earlier fitting time
+        (``fit_time_resumed_s`` missing or None: its figures cover the last stretch only)."""
+        if any(
+            r.metrics.get("resumed_from") and r.metrics.get("fit_time_resumed_s") is None
+            for r in self.runs
+        ):
+            return []
         return self._values("fit_time_s") or self._values("train_time_s")
 
     @property
