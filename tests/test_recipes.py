@@ -206,6 +206,18 @@ def test_a_gpu_recipe_is_its_cpu_recipe_scaled_up(tmp_path, gpu, cpu):
     assert all(big.module[k] == small.module[k] for k in keep)
 
 
+@pytest.mark.parametrize("name", ["mnist_cpu_best", "mnist_best"])
+def test_the_callbacks_a_user_asks_for_are_the_ones_a_recipe_runs(tmp_path, name):
+    """A recipe sets its callbacks in its defaults list, so a user's `callbacks=[...]` still
+    decides: `mnist_cpu_best` averages the weights, `mnist_best` (as it ran on the GPU) does
+    not, and either follows the command line."""
+    recipe = compose_config("train", [f"experiment={name}"], tmp_path)
+    assert (recipe.callbacks.get("ema") is not None) == (name == "mnist_cpu_best")
+    for chosen, has_ema in (("[default,ema]", True), ("[default]", False)):
+        cfg = compose_config("train", [f"experiment={name}", f"callbacks={chosen}"], tmp_path)
+        assert (cfg.callbacks.get("ema") is not None) == has_ema, chosen
+
+
 def test_heads_sweep_is_a_multirun_over_heads_and_seeds():
     from hydra.types import RunMode
 
