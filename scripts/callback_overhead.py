@@ -24,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
 from vit_mnist.hardware import cpu_name
-from vit_mnist.train import train
+from vit_mnist.tasks.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -69,7 +69,7 @@ def chromium_page(width: int = 1500, height: int = 1200) -> Iterator:
 def running_explorer(ckpt: str | Path, data_dir: str | Path = "data") -> Iterator[tuple]:
     """(explorer, url, page): the explorer of ``ckpt`` served on 127.0.0.1, a free port,
     and its Gradio page (closed on the way out)."""
-    from vit_mnist.explorer import build_page, launch, load_explorer
+    from vit_mnist.tasks.explore import build_page, launch, load_explorer
 
     cfg = OmegaConf.create(
         {

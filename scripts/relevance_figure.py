@@ -21,10 +21,10 @@ import torch
 from omegaconf import OmegaConf
 
 from vit_mnist.analysis import attention_rollout, class_relevance, cls_attention
-from vit_mnist.drawing import grey, labelled_grid, overlay
+from vit_mnist.analysis.drawing import grey, labelled_grid, overlay
 from vit_mnist.errors import CheckpointError
 from vit_mnist.io import save_png
-from vit_mnist.predict import load_model
+from vit_mnist.training.checkpointing import load_model
 
 
 def main(argv: list[str] | None = None) -> int:

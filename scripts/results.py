@@ -24,7 +24,7 @@ python scripts/results.py outputs/heads_sweep_p4 outputs/heads_sweep_p7 --analys
 
 --analyse-circuits runs `python eval.py analysis=circuits` on each run's best checkpoint
 (into <run dir>/circuits/, on the whole test set), and --circuits-report writes one line
-per token and head count of what the heads write (vit_mnist.results.circuit_figures)
+per token and head count of what the heads write (scripts.results_tables.circuit_figures)
 between CIRCUITS_START and CIRCUITS_END:
 python scripts/results.py outputs/heads_sweep_p4 outputs/heads_sweep_p7 --analyse-circuits \
     --circuits-report docs/circuits.md
@@ -37,8 +37,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vit_mnist.io import atomic_write_bytes
-from vit_mnist.results import (
+ROOT = Path(__file__).resolve().parents[1]
+# `python scripts/results.py` puts scripts/ on the path, not the checkout that holds the
+# package scripts/ and its results_tables.py.
+sys.path.insert(0, str(ROOT))
+
+from scripts.results_tables import (  # noqa: E402
     CIRCUITS_FILE,
     HEADS_FILE,
     ROLES_FILE,
@@ -56,8 +60,8 @@ from vit_mnist.results import (
     roles_table,
     runs_table,
 )
+from vit_mnist.io import atomic_write_bytes  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 HEADS_START = "<!-- heads sweep: written by scripts/results.py --heads-report -->"
 HEADS_END = "<!-- end of the heads sweep -->"
 ROLES_START = "<!-- head roles: written by scripts/results.py --roles-report -->"
@@ -144,7 +148,7 @@ def write_roles_report(rows, report: Path) -> None:
 
 
 def write_circuits_report(rows, report: Path) -> None:
-    """Put the circuits table (:func:`vit_mnist.results.circuits_table`) into ``report``
+    """Put the circuits table (:func:`scripts.results_tables.circuits_table`) into ``report``
     between the circuits markers (appended once)."""
     section = "\n".join([CIRCUITS_START, "", circuits_table(rows).rstrip(), "", CIRCUITS_END])
     replace_section(report, section, CIRCUITS_START, CIRCUITS_END)

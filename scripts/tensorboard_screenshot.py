@@ -17,7 +17,11 @@ import sys
 import urllib.parse
 from pathlib import Path
 
-from vit_mnist.tensorboard_server import serve, wait_for_tags
+# `python scripts/tensorboard_screenshot.py` puts scripts/ on the path, not the checkout
+# whose tests/ holds the server helper that the TensorBoard test uses too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.tensorboard_server import serve, wait_for_tags  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from vit_mnist.analysis.attention import (
 )
 from vit_mnist.analysis.relevance import class_relevance
 from vit_mnist.models import VisionTransformer
-from vit_mnist.train import train
+from vit_mnist.tasks.train import train
 
 TINY = {"embed_dim": 32, "depth": 3, "num_heads": 4, "patch_size": 7}
 

@@ -130,7 +130,7 @@ def test_a_config_group_turned_off_is_told_how(monkeypatch, capsys, tmp_path):
     line = hydra_error(monkeypatch, capsys, "~logger", f"hydra.run.dir={tmp_path}")
     assert "callbacks.lr_monitor" in line and "~logger callbacks.lr_monitor=null" in line
     assert not (tmp_path / "checkpoints").exists()
-    from vit_mnist.train import check_config
+    from vit_mnist.tasks.train import check_config
 
     check_config(compose_config("train", ["~logger", "callbacks.lr_monitor=null"], tmp_path))
 

@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 
 from tests.conftest import compose_config
-from vit_mnist.module import ViTClassifier
+from vit_mnist.training.module import ViTClassifier
 
 ISSUE_OVERRIDES = [
     "model.num_heads=8",

@@ -196,7 +196,7 @@ def test_fast_and_plain_torchvision_paths_give_the_same_batches(mnist_dir):
 def test_on_device_keeps_the_dataset_on_the_gpu(make_train_cfg):
     from hydra.utils import instantiate
 
-    from vit_mnist.train import train
+    from vit_mnist.tasks.train import train
 
     cfg = make_train_cfg("trainer.accelerator=gpu", "trainer.max_epochs=1")
     metrics = train(cfg)

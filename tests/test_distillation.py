@@ -12,13 +12,13 @@ import torch
 
 from tests.conftest import TINY_MODEL, compose_config
 from vit_mnist.analysis.distillation import cls_dist_similarity
-from vit_mnist.checkpointing import read_checkpoint
-from vit_mnist.distillation import distillation_loss
 from vit_mnist.errors import CheckpointError, ConfigError
-from vit_mnist.evaluate import evaluate
 from vit_mnist.models.vit import VisionTransformer
-from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
-from vit_mnist.train import train
+from vit_mnist.tasks.evaluate import evaluate
+from vit_mnist.tasks.train import train
+from vit_mnist.training.checkpointing import read_checkpoint
+from vit_mnist.training.distillation import distillation_loss
+from vit_mnist.training.module import RUN_INFO_KEY, ViTClassifier
 
 TINY = dict(patch_size=7, embed_dim=32, depth=2, num_heads=2)
 
@@ -192,9 +192,10 @@ def test_every_analysis_runs_on_a_distilled_checkpoint(distilled, tmp_path, anal
 def test_predict_export_and_explorer_take_the_distillation_token(distilled, tmp_path):
     from PIL import Image, ImageDraw
 
-    from vit_mnist.explorer import Explorer
-    from vit_mnist.export import export
-    from vit_mnist.predict import load_model, predict_images
+    from vit_mnist.tasks.explore import Explorer
+    from vit_mnist.tasks.export import export
+    from vit_mnist.tasks.predict import predict_images
+    from vit_mnist.training.checkpointing import load_model
 
     _, student, _ = distilled
     module, _ = load_model(student)
@@ -254,7 +255,7 @@ def test_the_tokens_similarity_is_their_cosine_at_the_input_and_after_each_block
 def test_the_attention_panel_shows_the_distillation_tokens_rows_under_the_cls_tokens(distilled):
     from tests.test_attention_maps import tile_rows
     from vit_mnist.analysis.attention import attention_report
-    from vit_mnist.predict import load_model
+    from vit_mnist.training.checkpointing import load_model
 
     module, _ = load_model(distilled[1])
     torch.manual_seed(0)
@@ -269,7 +270,8 @@ def test_the_attention_panel_shows_the_distillation_tokens_rows_under_the_cls_to
 def test_the_convnet_teacher_trains_evaluates_and_predicts_like_any_checkpoint(distilled, tmp_path):
     from PIL import Image, ImageDraw
 
-    from vit_mnist.predict import load_model, predict_images
+    from vit_mnist.tasks.predict import predict_images
+    from vit_mnist.training.checkpointing import load_model
 
     teacher, _, _ = distilled
     assert read_checkpoint(teacher)["hyper_parameters"]["model"]["arch"] == "cnn"
@@ -287,7 +289,7 @@ def test_the_convnet_teacher_trains_evaluates_and_predicts_like_any_checkpoint(d
 
 
 def test_what_studies_attention_refuses_the_convnet_in_one_line(distilled, tmp_path):
-    from vit_mnist.explorer import load_explorer
+    from vit_mnist.tasks.explore import load_explorer
 
     teacher, _, _ = distilled
     cfg = compose_config("eval", [f"ckpt_path={teacher}", "analysis=heads"], tmp_path / "e")

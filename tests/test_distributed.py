@@ -16,8 +16,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.conftest import ROOT, TINY_MODEL, compose_config, compose_with_hydra
 from tests.helpers import in_process
-from vit_mnist.checkpointing import read_checkpoint
-from vit_mnist.evaluate import evaluate
+from vit_mnist.tasks.evaluate import evaluate
+from vit_mnist.training.checkpointing import read_checkpoint
 
 TINY = ["data=synthetic", "trainer.max_epochs=2", "~callbacks.progress_bar", *TINY_MODEL]
 
@@ -210,7 +210,7 @@ def test_ddp_in_a_local_multirun_starts_its_processes_as_this_job(monkeypatch, t
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from vit_mnist.train import prepare_ddp_launch
+    from vit_mnist.tasks.train import prepare_ddp_launch
 
     cfg = compose_with_hydra("train", ["trainer=ddp", "seed=2"])
     cfg.hydra.mode = RunMode.MULTIRUN

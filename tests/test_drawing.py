@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vit_mnist import drawing
-from vit_mnist.drawing import CAP_HEIGHT, CARD_WIDTH, captioned_grid, labelled_grid
+from vit_mnist.analysis import drawing
+from vit_mnist.analysis.drawing import CAP_HEIGHT, CARD_WIDTH, captioned_grid, labelled_grid
 
 RED = torch.tensor([1.0, 0.0, 0.0])[:, None, None]
 

@@ -18,14 +18,20 @@ from tests.helpers import in_process
 from tests.test_distributed import read_events
 from tests.test_train import check_run
 from vit_mnist.analysis.heads import heads_zeroed
-from vit_mnist.checkpointing import checkpoint_datamodule, read_checkpoint, resolve_ckpt_path
+from vit_mnist.data.images import mnist_preprocess
 from vit_mnist.data.synthetic import SyntheticDataModule
 from vit_mnist.errors import CheckpointError, ConfigError
-from vit_mnist.evaluate import evaluate
 from vit_mnist.models import VisionTransformer
-from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
-from vit_mnist.predict import load_model, mnist_preprocess, predict_images
-from vit_mnist.train import train
+from vit_mnist.tasks.evaluate import evaluate
+from vit_mnist.tasks.predict import predict_images
+from vit_mnist.tasks.train import train
+from vit_mnist.training.checkpointing import (
+    checkpoint_datamodule,
+    load_model,
+    read_checkpoint,
+    resolve_ckpt_path,
+)
+from vit_mnist.training.module import RUN_INFO_KEY, ViTClassifier
 
 MNIST_TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
 
@@ -161,7 +167,7 @@ def test_every_trainer_of_an_evaluation_runs_on_the_resolved_device(
 ):
     """The heads analysis' quiet trainer takes the device the test loop resolved, not
     ``trainer.accelerator`` as written (with ``auto``, Lightning could pick MPS for it)."""
-    import vit_mnist.evaluate as evaluate_module
+    import vit_mnist.tasks.evaluate as evaluate_module
 
     # "gpu" as written: a trainer built from it raises on this machine, which has none.
     monkeypatch.setattr(evaluate_module, "resolve_accelerator", lambda accelerator: "cpu")
@@ -240,7 +246,7 @@ def test_circuits_analysis(synthetic_ckpt, tmp_path):
 def test_circuits_with_no_pair_to_patch_writes_the_header(synthetic_ckpt, tmp_path, monkeypatch):
     """No correctly classified image of a pair's classes: a warning, and a patching file of
     its header alone (it raised IndexError)."""
-    import vit_mnist.evaluate as evaluate_module
+    import vit_mnist.tasks.evaluate as evaluate_module
 
     real = evaluate_module.logit_lens
 

@@ -32,11 +32,11 @@ from vit_mnist.analysis.logit_attribution import direct_logit_attribution
 from vit_mnist.analysis.pruning import prune_heads
 from vit_mnist.analysis.relevance import class_relevance
 from vit_mnist.analysis.roles import ROLE_COLUMNS
-from vit_mnist.callbacks.attention_maps import panel_indices
 from vit_mnist.errors import ConfigError
-from vit_mnist.explorer import Explorer, load_explorer, main, original_heads, read_head_table
-from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
 from vit_mnist.settings import ExploreSettings, check_settings
+from vit_mnist.tasks.explore import Explorer, load_explorer, main, original_heads, read_head_table
+from vit_mnist.training.callbacks.attention_maps import panel_indices
+from vit_mnist.training.module import RUN_INFO_KEY, ViTClassifier
 
 MODEL = {"embed_dim": 32, "depth": 3, "num_heads": 4, "patch_size": 7}
 
@@ -95,7 +95,7 @@ def explorer(tiny_ckpt, tmp_path_factory) -> Explorer:
 def page(explorer):
     """The page of ``explorer``, built, not launched."""
     pytest.importorskip("gradio", reason="the explorer's page needs Gradio (extra explore)")
-    from vit_mnist.explorer import build_page
+    from vit_mnist.tasks.explore import build_page
 
     return build_page(explorer)
 
@@ -228,7 +228,7 @@ def test_the_examples_are_the_tensorboard_panel(explorer, tiny_ckpt, tmp_path):
     images, labels = explorer.examples
     assert labels.tolist() == list(range(10))
     cfg = explore_cfg(tmp_path, f"ckpt_path={tiny_ckpt}")
-    from vit_mnist.checkpointing import checkpoint_datamodule, read_checkpoint
+    from vit_mnist.training.checkpointing import checkpoint_datamodule, read_checkpoint
 
     dm = checkpoint_datamodule(cfg, tiny_ckpt, read_checkpoint(tiny_ckpt)[RUN_INFO_KEY])
     dm.setup("fit")
@@ -256,7 +256,7 @@ def test_head_table_from_eval_csv(tmp_path):
     assert table == [[0, 0, 2.0, *map(float, range(len(ROLE_COLUMNS))), "0"]]
     # The page shows the table under those headers.
     pytest.importorskip("gradio", reason="the explorer's page needs Gradio (extra explore)")
-    from vit_mnist.explorer import build_page
+    from vit_mnist.tasks.explore import build_page
 
     explorer = Explorer(model=tiny_module().net.eval(), head_table=(headers, table))
     frames = [b for b in build_page(explorer).blocks.values() if type(b).__name__ == "Dataframe"]

@@ -7,8 +7,8 @@ import torch
 
 from tests.conftest import TINY_MODEL, compose_config
 from vit_mnist.errors import ConfigError
-from vit_mnist.export import export, run_exported
-from vit_mnist.train import train
+from vit_mnist.tasks.export import export, run_exported
+from vit_mnist.tasks.train import train
 
 
 @pytest.fixture(scope="module")

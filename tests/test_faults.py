@@ -17,15 +17,15 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import ROOT, TINY_MODEL, compose_config
-from vit_mnist.checkpointing import (
+from vit_mnist.errors import CheckpointError, ConfigError, DataError
+from vit_mnist.tasks.train import main, train
+from vit_mnist.training.checkpointing import (
     AtomicCheckpointIO,
     model_to_start_from,
     read_checkpoint,
     resolve_latest,
     resume_command,
 )
-from vit_mnist.errors import CheckpointError, ConfigError, DataError
-from vit_mnist.train import main, train
 
 # Long enough to interrupt: 4096 images in batches of 64 = 64 steps an epoch.
 SLOW = [
@@ -128,7 +128,7 @@ def test_a_signal_before_the_loop_stops_at_once_in_one_line(
 ):
     """Ctrl-C or SIGTERM while the speed paths are timed (data loaded, Lightning's loop
     not begun): the run stops at once with one line and 130 or 143, writing nothing."""
-    import vit_mnist.train as train_mod
+    import vit_mnist.tasks.train as train_mod
 
     def timing(module, cfg, datamodule):
         os.kill(os.getpid(), sig)
@@ -159,7 +159,7 @@ def test_sigterm_in_the_loop_waits_for_the_batch_but_not_for_a_compile(monkeypat
     compile in the first step (30-60 s) is stopped at once."""
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from vit_mnist.train import _stop_on_sigterm
+    from vit_mnist.tasks.train import _stop_on_sigterm
 
     # Lightning's handler is the process's while its loop runs, and calls this one.
     monkeypatch.setattr(signal, "getsignal", lambda signum: "lightning's handler")
@@ -556,7 +556,7 @@ def test_init_from_applies_a_model_key_its_weights_allow_and_refuses_the_others(
     )
     cfg = make_train_cfg(f"init_from={ckpt}", "model.drop_path_rate=0.2")
     composed = OmegaConf.to_container(cfg)
-    with caplog.at_level(logging.WARNING, logger="vit_mnist.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="vit_mnist.training.checkpointing"):
         start = model_to_start_from(cfg)
     assert start.model["drop_path_rate"] == 0.2 and start.model["mlp_ratio"] == 4.0
     assert OmegaConf.to_container(cfg) == composed  # the config is not rewritten

@@ -45,8 +45,8 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, mon
 def test_a_checkpoint_that_cannot_be_written_names_it_and_how_to_resume(
     tmp_path, monkeypatch, capsys
 ):
-    from vit_mnist.checkpointing import AtomicCheckpointIO
     from vit_mnist.errors import exit_on_user_error
+    from vit_mnist.training.checkpointing import AtomicCheckpointIO
 
     last = tmp_path / "checkpoints" / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"step": 1}, last)

@@ -17,29 +17,30 @@ LAYERS: list[str] = [
     # the entry points and Hydra's errors in one line
     "vit_mnist.cli",
     "vit_mnist.hydra_errors",
-    # the tasks
-    "vit_mnist.explorer",
-    "vit_mnist.predict",
-    "vit_mnist.evaluate",
-    "vit_mnist.train",
-    "vit_mnist.export",
-    "vit_mnist.results",
-    "vit_mnist.tensorboard_server",
+    # the tasks: what a user runs (no task imports another: see TASKS below)
+    "vit_mnist.tasks",
+    "vit_mnist.tasks.explore",
+    "vit_mnist.tasks.explore.session",
+    "vit_mnist.tasks.predict",
+    "vit_mnist.tasks.evaluate",
+    "vit_mnist.tasks.train",
+    "vit_mnist.tasks.export",
     # the training run's parts
-    "vit_mnist.callbacks",
-    "vit_mnist.callbacks.save_on_interrupt",
-    "vit_mnist.callbacks.attention_maps",
-    "vit_mnist.callbacks.throughput",
-    "vit_mnist.callbacks.trial_pruning",
-    "vit_mnist.checkpointing",
-    "vit_mnist.module",
-    "vit_mnist.schedule",
-    "vit_mnist.distillation",
+    "vit_mnist.training",
+    "vit_mnist.training.callbacks",
+    "vit_mnist.training.callbacks.save_on_interrupt",
+    "vit_mnist.training.callbacks.attention_maps",
+    "vit_mnist.training.callbacks.throughput",
+    "vit_mnist.training.callbacks.trial_pruning",
+    "vit_mnist.training.checkpointing",
+    "vit_mnist.training.module",
+    "vit_mnist.training.schedule",
+    "vit_mnist.training.distillation",
     # the speed layer, which wraps the reference model
     "vit_mnist.speed.choose",
     "vit_mnist.speed.native",
     "vit_mnist.speed.forward",
-    # the analyses
+    # the analyses, and the pictures they draw
     "vit_mnist.analysis",
     "vit_mnist.analysis.pruning",
     "vit_mnist.analysis.heads",
@@ -55,6 +56,7 @@ LAYERS: list[str] = [
     "vit_mnist.analysis.relevance",
     "vit_mnist.analysis.distillation",
     "vit_mnist.analysis.modes",
+    "vit_mnist.analysis.drawing",
     # the textbook model and the data
     "vit_mnist.models",
     "vit_mnist.models.vit",
@@ -67,17 +69,22 @@ LAYERS: list[str] = [
     "vit_mnist.data.synthetic",
     "vit_mnist.data.base",
     "vit_mnist.data.augment",
+    "vit_mnist.data.images",
     "vit_mnist.data.sources",
-    # what every room may use
+    # what every room may use: the package root
     "vit_mnist.settings",
     "vit_mnist.errors",
-    "vit_mnist.drawing",
     "vit_mnist.console",
     "vit_mnist.hardware",
     "vit_mnist.speed",
     "vit_mnist.io",
     "vit_mnist",
 ]
+
+# The package root holds the cross-cutting base alone: everything else lives in a room.
+MAX_ROOT_MODULES = 8
+# A function a reader can hold in their head, docstring included.
+MAX_FUNCTION_LINES = 80
 
 
 def layer_of(module: str) -> int:
@@ -172,14 +179,96 @@ def test_the_circle_check_catches_a_circle(monkeypatch, tmp_path):
 def test_the_layer_check_catches_an_upward_import(monkeypatch, tmp_path):
     # The check above must be able to fail: a models file importing the trainer would.
     fake = tmp_path / "vit.py"
-    fake.write_text("from vit_mnist.train import train\n")
+    fake.write_text("from vit_mnist.tasks.train import train\n")
     modules = package_modules()
     monkeypatch.setattr(
         "tests.test_layout.package_modules", lambda: {**modules, "vit_mnist.models.vit": fake}
     )
     assert upward_imports() == [
-        "vit_mnist.models.vit imports vit_mnist.train, which is listed above it"
+        "vit_mnist.models.vit imports vit_mnist.tasks.train, which is listed above it"
     ]
+
+
+def root_modules(root: Path = ROOT / "vit_mnist") -> list[str]:
+    """The modules that stand directly in the package root, ``__init__`` among them."""
+    return sorted(p.name for p in root.glob("*.py"))
+
+
+def test_the_package_root_holds_only_the_base():
+    modules = root_modules()
+    assert len(modules) <= MAX_ROOT_MODULES, (
+        f"{len(modules)} modules at the package root ({', '.join(modules)}), more than "
+        f"{MAX_ROOT_MODULES}: put the new one in the room of its job (tasks/, training/, ...)"
+    )
+
+
+def test_the_root_check_counts_a_ninth_module(tmp_path):
+    for name in [*root_modules(), "results.py"]:
+        (tmp_path / name).write_text("")
+    assert len(root_modules(tmp_path)) == MAX_ROOT_MODULES + 1
+
+
+def task_of(module: str) -> str | None:
+    """The task a module belongs to (``train`` for ``vit_mnist.tasks.train``, ``explore``
+    for ``vit_mnist.tasks.explore.session``), None outside vit_mnist.tasks."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["vit_mnist", "tasks"] and len(parts) > 2 else None
+
+
+def cross_task_imports(modules: dict[str, Path] | None = None) -> list[str]:
+    """Imports from one task's modules into another task's."""
+    found = []
+    for module, path in (modules or package_modules()).items():
+        mine = task_of(module)
+        for target in imported(path):
+            theirs = task_of(target)
+            if mine and theirs and theirs != mine:
+                found.append(f"{module} imports {target}: move what both need into a part")
+    return found
+
+
+def test_no_task_imports_another_task():
+    found = cross_task_imports()
+    assert not found, "\n".join(found)
+
+
+def test_the_task_check_catches_one_task_importing_another(tmp_path):
+    fake = tmp_path / "session.py"
+    fake.write_text("from vit_mnist.tasks.predict import load_model\n")
+    modules = {**package_modules(), "vit_mnist.tasks.explore.session": fake}
+    assert cross_task_imports(modules) == [
+        "vit_mnist.tasks.explore.session imports vit_mnist.tasks.predict: move what both "
+        "need into a part"
+    ]
+
+
+def long_functions(paths: list[Path] | None = None) -> list[str]:
+    """Functions and methods longer than :data:`MAX_FUNCTION_LINES`, from ``def`` to their
+    last line."""
+    found = []
+    for path in paths or sorted((ROOT / "vit_mnist").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+                    found.append(f"{where}:{node.lineno} {node.name} ({lines})")
+    return found
+
+
+def test_no_function_is_longer_than_a_reader_can_hold():
+    found = long_functions()
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines: " + ", ".join(found)
+
+
+def test_the_length_check_counts_the_docstring(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES - 3))
+    fits = tmp_path / "fits.py"
+    fits.write_text(f'def f():\n    """Doc."""\n{body}\n    return x0\n')
+    assert long_functions([fits]) == []
+    over = tmp_path / "over.py"
+    over.write_text(f'def f():\n    """Doc\n    on two lines."""\n{body}\n    return x0\n')
+    assert long_functions([over]) == [f"{over}:1 f ({MAX_FUNCTION_LINES + 1})"]
 
 
 def readme_layout_paths() -> list[str]:

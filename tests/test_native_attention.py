@@ -228,8 +228,8 @@ def test_a_kernel_that_cannot_be_built_is_said_and_left_out(monkeypatch, tmp_pat
     from omegaconf import OmegaConf
 
     from vit_mnist.errors import ConfigError
-    from vit_mnist.module import ViTClassifier
     from vit_mnist.speed.choose import prepare_speed
+    from vit_mnist.training.module import ViTClassifier
 
     def config(path: str):
         return OmegaConf.create(

@@ -18,17 +18,16 @@ import torch
 from PIL import Image, ImageDraw
 
 from tests.conftest import TINY_MODEL, compose_config
-from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
-from vit_mnist.predict import (
+from vit_mnist.data.images import collect_images, mnist_preprocess
+from vit_mnist.tasks.predict import (
     CSV_COLUMNS,
     LIST_AT_MOST,
-    collect_images,
-    load_model,
     main,
-    mnist_preprocess,
     output_stems,
     predict_images,
 )
+from vit_mnist.training.checkpointing import load_model
+from vit_mnist.training.module import RUN_INFO_KEY, ViTClassifier
 
 TOP3 = re.compile(r"^\d:[01]\.\d{3} \d:[01]\.\d{3} \d:[01]\.\d{3}$")
 
@@ -99,7 +98,7 @@ def test_folder_skips_other_files_and_reports_a_broken_image(tiny_ckpt, tmp_path
     (folder / "README").write_text("not an image")
     (folder / "._a.png").write_bytes(b"\x00\x05\x16\x07 macOS metadata")
     draw_digit(folder / "sub" / "z.png", seed=9)  # not searched: a folder is read flat
-    caplog.set_level(logging.INFO, logger="vit_mnist.predict")
+    caplog.set_level(logging.INFO, logger="vit_mnist")
 
     code, rows = predict(tiny_ckpt, str(folder), tmp_path / "run")
 
@@ -292,7 +291,7 @@ def test_an_interrupt_keeps_the_finished_rows_and_resume_does_the_rest(
     folder = tmp_path / "digits"
     paths = [draw_digit(folder / f"{i}.png", seed=i, size=30) for i in range(9)]
     run_dir = tmp_path / "run"
-    monkeypatch.setattr("vit_mnist.predict.BATCH_SIZE", 2)
+    monkeypatch.setattr("vit_mnist.tasks.predict.BATCH_SIZE", 2)
     from vit_mnist import predict as predict_module
 
     real_batch = predict_module._predict_batch
@@ -388,7 +387,7 @@ def test_the_folder_walk_names_and_skips_loops_dangling_links_and_fifos(
     (folder / "sub" / "up").symlink_to("..")  # a folder that holds itself
     (folder / "gone.png").symlink_to("deleted.png")
     os.mkfifo(folder / "pipe.png")  # opening it would wait for a writer forever
-    caplog.set_level(logging.INFO, logger="vit_mnist.predict")
+    caplog.set_level(logging.INFO, logger="vit_mnist")
 
     paths, problems = collect_images([str(folder), "scans/**/*.png", "scans/gone.png"])
 

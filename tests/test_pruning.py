@@ -16,13 +16,13 @@ from tests.test_attention import textbook_mha
 from vit_mnist.analysis.heads import gradient_head_importance, heads_zeroed
 from vit_mnist.analysis.pruning import prune_heads
 from vit_mnist.errors import ConfigError
-from vit_mnist.evaluate import evaluate
 from vit_mnist.models.attention import MultiHeadSelfAttention
 from vit_mnist.models.vit import VisionTransformer
-from vit_mnist.module import ViTClassifier
 from vit_mnist.speed import native
 from vit_mnist.speed.choose import PATHS, candidates
-from vit_mnist.train import train
+from vit_mnist.tasks.evaluate import evaluate
+from vit_mnist.tasks.train import train
+from vit_mnist.training.module import ViTClassifier
 
 ARGS = dict(embed_dim=32, depth=2, num_heads=4, patch_size=7)
 CPU = torch.device("cpu")

@@ -13,12 +13,12 @@ import torch
 import yaml
 from hydra.utils import instantiate
 
+from scripts.results_tables import find_runs, group_rows, heads_plot, markdown_table
 from tests.conftest import DATA_DIR, compose_config, compose_with_hydra
 from vit_mnist.data import FashionMNISTDataModule, sources
 from vit_mnist.data.augment import BatchRandomAffine, BatchRandomErasing
 from vit_mnist.errors import ConfigError, DataError
 from vit_mnist.models import VisionTransformer, check_model_args
-from vit_mnist.results import find_runs, group_rows, heads_plot, markdown_table
 
 # ---------------------------------------------------------------- Fashion-MNIST sources
 
@@ -101,8 +101,8 @@ def test_fashion_mnist_datamodule(fashion_dir):
 @pytest.mark.real_data
 @pytest.mark.slow
 def test_fashion_class_names_reach_the_tables_and_plots(fashion_dir, tmp_path):
-    from vit_mnist.evaluate import evaluate
-    from vit_mnist.train import train
+    from vit_mnist.tasks.evaluate import evaluate
+    from vit_mnist.tasks.train import train
 
     overrides = ["data=fashion_mnist", "trainer=cpu", "trainer.max_epochs=1"]
     overrides += ["trainer.limit_train_batches=3", "trainer.limit_val_batches=2"]
@@ -407,7 +407,7 @@ def test_results_command_quotes_what_a_shell_would_expand(tmp_path):
 
 def test_heads_report_summarises_every_head_and_replaces_its_own_section(tmp_path):
     from scripts.results import HEADS_END, HEADS_START, write_heads_report
-    from vit_mnist.results import heads_sweep_table
+    from scripts.results_tables import heads_sweep_table
 
     for job, heads in enumerate([1, 4]):
         run = tmp_path / "sweep" / str(job)
@@ -487,7 +487,7 @@ def test_results_script_without_runs_is_one_line(tmp_path, capsys):
 
 
 def test_ema_callback_trains_and_validates_with_averaged_weights(make_train_cfg):
-    from vit_mnist.train import train
+    from vit_mnist.tasks.train import train
 
     cfg = make_train_cfg("callbacks=[default,ema]", "callbacks.ema.update_starting_at_step=2")
     assert cfg.callbacks.ema._target_.endswith("EMAWeightAveraging")
@@ -499,7 +499,7 @@ def test_proxy_table_ranks_the_configurations_by_their_early_and_full_validation
     # A study's proxy is trusted only if its ranking agrees with the full runs' (issue 77).
     from torch.utils.tensorboard import SummaryWriter
 
-    from vit_mnist.results import proxy_table
+    from scripts.results_tables import proxy_table
 
     def run(path, curve):
         fake_run(path, heads=4, seed=1, acc=curve[-1])

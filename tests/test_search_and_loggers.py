@@ -15,7 +15,7 @@ import yaml
 from tests.conftest import ONE_EPOCH, TINY_MODEL
 from tests.helpers import in_process
 from vit_mnist.errors import ConfigError
-from vit_mnist.train import train
+from vit_mnist.tasks.train import train
 
 
 def test_a_three_trial_optuna_study_optimises_validation_accuracy(tmp_path, monkeypatch, capsys):
@@ -113,7 +113,7 @@ def test_a_study_with_a_pruner_stops_its_trials_and_records_them_as_pruned(
 
 
 def test_a_pruner_needs_one_trial_at_a_time_in_this_process(tmp_path, monkeypatch, capsys):
-    from vit_mnist.callbacks.trial_pruning import TrialPruning
+    from vit_mnist.training.callbacks.trial_pruning import TrialPruning
 
     monkeypatch.chdir(tmp_path)
     code, _, stderr = in_process(

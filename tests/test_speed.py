@@ -456,7 +456,7 @@ def test_timing_pays_the_loops_augmentation_in_every_step(monkeypatch):
     from omegaconf import OmegaConf
 
     from vit_mnist.data.synthetic import SyntheticDataModule
-    from vit_mnist.module import ViTClassifier
+    from vit_mnist.training.module import ViTClassifier
 
     steps = {"reference": 0, "slow": 0}
     paths = {
@@ -488,8 +488,8 @@ def test_under_cpu_ddp_each_process_times_its_steps_on_its_share_of_the_cores(mo
 
     from omegaconf import OmegaConf
 
-    from vit_mnist.module import ViTClassifier
-    from vit_mnist.train import prepare_ddp_launch
+    from vit_mnist.tasks.train import prepare_ddp_launch
+    from vit_mnist.training.module import ViTClassifier
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     threads = torch.get_num_threads()
@@ -624,7 +624,7 @@ def test_prepare_speed_sets_the_step_and_leaves_the_checkpoint_keys_alone():
     name."""
     from omegaconf import OmegaConf
 
-    from vit_mnist.module import ViTClassifier
+    from vit_mnist.training.module import ViTClassifier
 
     model = dict(patch_size=7, **TINY)
     module = ViTClassifier(model=model)

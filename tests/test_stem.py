@@ -11,12 +11,12 @@ from tests.conftest import TINY_MODEL, compose_config
 from vit_mnist.analysis import attention_report, class_relevance, heads_switched_off
 from vit_mnist.analysis.logit_attribution import direct_logit_attribution
 from vit_mnist.analysis.roles import head_roles
-from vit_mnist.checkpointing import model_differences
 from vit_mnist.errors import ConfigError
-from vit_mnist.evaluate import evaluate
-from vit_mnist.export import export
 from vit_mnist.models import VisionTransformer
-from vit_mnist.train import train
+from vit_mnist.tasks.evaluate import evaluate
+from vit_mnist.tasks.export import export
+from vit_mnist.tasks.train import train
+from vit_mnist.training.checkpointing import model_differences
 
 
 def test_the_textbook_model_is_unchanged_by_the_stem_option():

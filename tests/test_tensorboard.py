@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from vit_mnist.tensorboard_server import get_bytes, get_json, serve, wait_for_tags
-from vit_mnist.train import train
+from tests.tensorboard_server import get_bytes, get_json, serve, wait_for_tags
+from vit_mnist.tasks.train import train
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

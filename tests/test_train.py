@@ -12,11 +12,11 @@ from torch._dynamo.utils import counters
 
 from tests.conftest import compose_config
 from tests.helpers import record_compiles
-from vit_mnist.checkpointing import read_checkpoint
 from vit_mnist.errors import CheckpointError, ConfigError
-from vit_mnist.evaluate import evaluate
-from vit_mnist.module import ViTClassifier
-from vit_mnist.train import train
+from vit_mnist.tasks.evaluate import evaluate
+from vit_mnist.tasks.train import train
+from vit_mnist.training.checkpointing import read_checkpoint
+from vit_mnist.training.module import ViTClassifier
 
 SCALARS = {
     "train/loss",
@@ -228,7 +228,7 @@ def test_device_line_names_a_class_held_below_the_cpu(monkeypatch):
 def test_schedule_epochs_makes_a_short_run_the_start_of_a_longer_one():
     from types import SimpleNamespace
 
-    from vit_mnist.module import ViTClassifier
+    from vit_mnist.training.module import ViTClassifier
 
     def learning_rates(max_epochs: int, **module) -> list[float]:
         classifier = ViTClassifier(model={"patch_size": 7, "depth": 1}, lr=1.0, **module)

@@ -84,7 +84,7 @@ def _command_line(main: Callable[[], Any]) -> Callable[[], Any]:
     return wrapper
 
 
-def _start(task: str, cfg: DictConfig, command: str | None = None) -> ModuleType:
+def _start(task: str, cfg: DictConfig) -> ModuleType:
     """Import ``vit_mnist.<task>`` (torch, Lightning: seconds) and quiet the console.
 
     Before the imports, outside a multirun, ``cfg``'s keys, types and ranges are checked
@@ -98,9 +98,9 @@ def _start(task: str, cfg: DictConfig, command: str | None = None) -> ModuleType
 
     _STARTED.append(task)
     if multirun_job_dir() is None:
-        exit_on_user_error(check_settings)(cfg, SETTINGS[command or task], targets=False)
+        exit_on_user_error(check_settings)(cfg, SETTINGS[task], targets=False)
     try:
-        module = importlib.import_module(f"vit_mnist.{task}")
+        module = importlib.import_module(f"vit_mnist.tasks.{task}")
         from vit_mnist.console import quiet_console
     except KeyboardInterrupt:
         print("\nInterrupted while starting up: nothing was run or written.", file=sys.stderr)
@@ -146,4 +146,4 @@ def export(cfg: DictConfig) -> Any:
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="explore")
 def explore(cfg: DictConfig) -> Any:
     """``vit-mnist-explore ckpt_path=PATH`` = ``python scripts/explore.py ckpt_path=PATH``."""
-    return stops_in_one_line(_start("explorer", cfg, "explore").main, cfg)
+    return stops_in_one_line(_start("explore", cfg).main, cfg)

@@ -141,7 +141,7 @@ def append_csv_rows(
     signal handled in Python (Ctrl-C, SIGTERM) lands before or after them, never between
     two halves of a row. Only a hard kill or a full disk in the middle of the write can
     leave a cut-off last line, which a reader that resumes must drop (see
-    :func:`vit_mnist.predict.read_done_rows`).
+    :func:`vit_mnist.tasks.predict.read_done_rows`).
 
     Raises:
         WriteError: the file cannot be written (full disk, no permission); names ``path``.

@@ -15,7 +15,7 @@ out is not checked.
 Combinations that need more than one value or the machine (patch size against image size,
 heads against width, the model against the dataset, the batch against the dataset,
 precision against the device) are checked after this: the model's in
-``vit_mnist.models.checks``, the run's in ``vit_mnist.train.check_config``.
+``vit_mnist.models.checks``, the run's in ``vit_mnist.tasks.train.check_config``.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ class ModelSettings(Section):
 
 
 class ModuleSettings(Built):
-    """``ViTClassifier``'s optimiser and loss (vit_mnist/module.py)."""
+    """``ViTClassifier``'s optimiser and loss (vit_mnist/training/module.py)."""
 
     lr: float = _f("module.lr=2e-3", gt=0)
     weight_decay: float = _f("module.weight_decay=0.05", ge=0)

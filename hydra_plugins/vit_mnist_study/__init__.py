@@ -18,7 +18,8 @@ loss. This sweeper keeps that package's reading of the search space (``interval`
   study stopped by Ctrl-C or a crash keeps the trials it finished;
 - with a ``pruner`` (Optuna's median pruner, Hyperband), each trial's run reports its
   ``optimized_metric`` after every validation and stops when the pruner says so
-  (:class:`vit_mnist.callbacks.trial_pruning.TrialPruning`); the trial is told as ``PRUNED``.
+  (:class:`vit_mnist.training.callbacks.trial_pruning.TrialPruning`); the trial is told as
+  ``PRUNED``.
 
 Hydra instantiates sweepers from the ``hydra_plugins`` package only; hence this package.
 """
@@ -94,9 +95,9 @@ class StudySweeper(Sweeper):
         from hydra._internal.core_plugins.basic_launcher import BasicLauncher
         from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
 
-        from vit_mnist.callbacks.trial_pruning import running_trial
         from vit_mnist.errors import ConfigError
         from vit_mnist.settings import SEARCH_METRICS
+        from vit_mnist.training.callbacks.trial_pruning import running_trial
 
         metric = self.config.get("optimized_metric")
         if metric not in SEARCH_METRICS:
@@ -126,7 +127,7 @@ class StudySweeper(Sweeper):
         )
         if self.pruner is not None:
             fixed["+callbacks.trial_pruning._target_"] = (
-                "vit_mnist.callbacks.trial_pruning.TrialPruning"
+                "vit_mnist.training.callbacks.trial_pruning.TrialPruning"
             )
             fixed["+callbacks.trial_pruning.monitor"] = metric
         results = Path(self.config.hydra.sweep.dir) / RESULTS_FILE

@@ -17,9 +17,9 @@ from functools import lru_cache
 import torch
 from einops import rearrange
 
+from vit_mnist.analysis.drawing import colorize, labelled_grid, overlay
 from vit_mnist.analysis.modes import evaluating
 from vit_mnist.analysis.relevance import class_relevance
-from vit_mnist.drawing import colorize, labelled_grid, overlay
 from vit_mnist.models.vit import VisionTransformer
 
 

@@ -239,10 +239,10 @@ def attribution_figure(
 def heads_and_mlp_figure(
     model: VisionTransformer, heads: torch.Tensor, mlp: torch.Tensor, **panels
 ):
-    """Layers x (heads, MLP) heat maps (:func:`~vit_mnist.drawing.heatmap_panels`, whose
+    """Layers x (heads, MLP) heat maps (:func:`~vit_mnist.analysis.drawing.heatmap_panels`, whose
     keywords ``panels`` passes on), one per panel, from ``heads`` (P, depth, max heads; NaN
     where a block lacks the head) and ``mlp`` (P, depth)."""
-    from vit_mnist.drawing import heatmap_panels
+    from vit_mnist.analysis.drawing import heatmap_panels
 
     return heatmap_panels(
         torch.cat([heads, mlp[..., None]], dim=-1),
@@ -272,7 +272,7 @@ def attribution_grid(
     Returns:
         (3, height, width) uint8, for TensorBoard's ``add_image`` or a PNG.
     """
-    from vit_mnist.drawing import diverging, labelled_grid
+    from vit_mnist.analysis.drawing import diverging, labelled_grid
 
     attribution = direct_logit_attribution(model, images)
     _, to_margin, _ = margin_attribution(attribution, labels)

@@ -223,7 +223,7 @@ def patching_figures(
     """Two figures of labelled results (one per pair of classes): layers x (heads, MLP)
     heat maps of both directions' scores, and layers x tokens heat maps of the denoised
     residual stream (where the decision sits, token by token), on the scale -1 .. 1."""
-    from vit_mnist.drawing import heatmap_panels
+    from vit_mnist.analysis.drawing import heatmap_panels
 
     words = {"denoising": "restored", "noising": "destroyed"}
     panels = [(label, result, direction) for label, result in results for direction in DIRECTIONS]

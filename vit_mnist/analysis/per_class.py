@@ -18,8 +18,8 @@ from torchmetrics.functional.classification import (
     multiclass_recall,
 )
 
+from vit_mnist.analysis.drawing import captioned_grid, grey, labelled_grid, overlay
 from vit_mnist.analysis.relevance import class_relevance
-from vit_mnist.drawing import captioned_grid, grey, labelled_grid, overlay
 from vit_mnist.models.vit import VisionTransformer
 
 

@@ -10,7 +10,7 @@ Dosovitskiy et al. 2021, "An Image is Worth 16x16 Words", eq. 1-4:
 With ``distillation=True``, DeiT's distillation token (Touvron et al. 2021, "Training
 data-efficient image transformers & distillation through attention", section 4): a second
 learned token beside the CLS token, read by a head of its own, which training matches to a
-teacher's hard labels or softened outputs (vit_mnist/distillation.py).
+teacher's hard labels or softened outputs (vit_mnist/training/distillation.py).
 """
 
 from __future__ import annotations

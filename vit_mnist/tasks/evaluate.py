@@ -43,18 +43,18 @@ from vit_mnist.analysis.per_class import (
 )
 from vit_mnist.analysis.pruning import accuracy_at, prune_iteratively, pruning_figure
 from vit_mnist.analysis.roles import ROLE_COLUMNS, head_roles, parts_figure, roles_figure
-from vit_mnist.checkpointing import (
+from vit_mnist.errors import CheckpointError, ConfigError, exit_on_user_error
+from vit_mnist.hardware import describe_device, resolve_accelerator, resolve_precision
+from vit_mnist.io import save_figure, save_png, write_csv, write_metrics
+from vit_mnist.models.vit import VisionTransformer
+from vit_mnist.settings import EvalSettings, check_settings
+from vit_mnist.training.checkpointing import (
     AtomicCheckpointIO,
     checkpoint_datamodule,
     read_checkpoint,
     resolve_ckpt_path,
 )
-from vit_mnist.errors import CheckpointError, ConfigError, exit_on_user_error
-from vit_mnist.hardware import describe_device, resolve_accelerator, resolve_precision
-from vit_mnist.io import save_figure, save_png, write_csv, write_metrics
-from vit_mnist.models.vit import VisionTransformer
-from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
-from vit_mnist.settings import EvalSettings, check_settings
+from vit_mnist.training.module import RUN_INFO_KEY, ViTClassifier
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     out (its keys then start with ``val/``), so that an evaluation setting such as
     ``test_time_shift`` can be chosen without looking at the test set.
     ``test_time_shift`` (pixels; null keeps the checkpoint's own) sets the test-time
-    augmentation of :class:`~vit_mnist.module.ViTClassifier`.
+    augmentation of :class:`~vit_mnist.training.module.ViTClassifier`.
 
     Writes ``metrics.json`` (overall and per-class metrics, the confusion matrix),
     ``per_class.csv``, ``confusion_matrix.png``, ``misclassified.png``,

@@ -7,7 +7,8 @@ The page only lays out and calls: every number and map comes from
 the heads switched off given as an argument, so sessions never see each other's), which
 calls the functions TensorBoard, ``predict.py`` and ``eval.py analysis=heads`` use; the
 preprocessing of a drawn or uploaded image is ``predict.py``'s
-:func:`~vit_mnist.predict.mnist_preprocess`; the pictures are :mod:`vit_mnist.drawing`'s.
+:func:`~vit_mnist.data.images.mnist_preprocess`; the pictures are
+:mod:`vit_mnist.analysis.drawing`'s.
 
 Safe by default: bound to 127.0.0.1 unless ``server_name`` says otherwise (then a warning),
 Gradio's telemetry off, uploads limited to ``max_upload_mb`` and ``max_upload_megapixels``
@@ -40,17 +41,22 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
-from vit_mnist import drawing
+from vit_mnist.analysis import drawing
 from vit_mnist.analysis.explain import ImageExplanation, explain_image
 from vit_mnist.analysis.roles import ROLE_COLUMNS
-from vit_mnist.callbacks.attention_maps import panel_indices
-from vit_mnist.checkpointing import checkpoint_datamodule, read_checkpoint, resolve_ckpt_path
+from vit_mnist.data.images import IMAGE_SUFFIXES, UNREADABLE, mnist_preprocess
 from vit_mnist.errors import CheckpointError, ConfigError, DataError, WriteError, exit_on_user_error
 from vit_mnist.io import atomic_write_bytes, save_png
 from vit_mnist.models.vit import VisionTransformer
-from vit_mnist.module import RUN_INFO_KEY
-from vit_mnist.predict import IMAGE_SUFFIXES, UNREADABLE, load_model, mnist_preprocess
 from vit_mnist.settings import ExploreSettings, check_settings
+from vit_mnist.training.callbacks.attention_maps import panel_indices
+from vit_mnist.training.checkpointing import (
+    checkpoint_datamodule,
+    load_model,
+    read_checkpoint,
+    resolve_ckpt_path,
+)
+from vit_mnist.training.module import RUN_INFO_KEY
 
 log = logging.getLogger(__name__)
 

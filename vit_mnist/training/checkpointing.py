@@ -25,8 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 from vit_mnist.errors import CheckpointError, ConfigError, WriteError
 from vit_mnist.io import atomic_write_bytes
 from vit_mnist.models.checks import CONV_STEM_KEYS, conv_stem_layout
-from vit_mnist.module import RUN_INFO_KEY
 from vit_mnist.settings import EvalSettings, check_settings, import_target
+from vit_mnist.training.module import RUN_INFO_KEY, ViTClassifier
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,18 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
                     "its last.ckpt or best-*.ckpt"
                 )
     return ckpt
+
+
+def load_model(ckpt_path: str | Path) -> tuple[ViTClassifier, dict[str, Any]]:
+    """The model of a checkpoint, on the CPU in eval mode, and its stored data config (the
+    ``data`` section of the run it was trained in; empty when it stores none).
+
+    Raises:
+        CheckpointError: see :func:`read_checkpoint`.
+    """
+    ckpt = read_checkpoint(ckpt_path)
+    module = ViTClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True)
+    return module.eval(), ckpt.get(RUN_INFO_KEY, {}).get("data", {})
 
 
 def _dataset_name(target: str | None) -> str | None:

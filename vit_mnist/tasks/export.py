@@ -21,11 +21,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from vit_mnist.checkpointing import checkpoint_datamodule, read_checkpoint, resolve_ckpt_path
 from vit_mnist.errors import ConfigError, exit_on_user_error
 from vit_mnist.io import atomic_write_bytes
-from vit_mnist.module import RUN_INFO_KEY, ViTClassifier
 from vit_mnist.settings import EXPORT_FORMATS, ExportSettings, check_settings
+from vit_mnist.training.checkpointing import (
+    checkpoint_datamodule,
+    read_checkpoint,
+    resolve_ckpt_path,
+)
+from vit_mnist.training.module import RUN_INFO_KEY, ViTClassifier
 
 
 class PixelsToLogits(nn.Module):
@@ -218,7 +222,7 @@ def export(cfg: DictConfig) -> dict[str, Any]:
     Raises:
         ConfigError: a setting that ``ExportSettings`` (vit_mnist/settings.py) refuses, or
             an ``output`` that :func:`output_path` refuses (checked before any work).
-        CheckpointError: see :func:`vit_mnist.checkpointing.read_checkpoint`.
+        CheckpointError: see :func:`vit_mnist.training.checkpointing.read_checkpoint`.
     """
     check_settings(cfg, ExportSettings)
     fmt = str(cfg.format)

@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from vit_mnist.checkpointing import resume_command
+from vit_mnist.training.checkpointing import resume_command
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ class SaveOnInterrupt(L.Callback):
 
     Lightning stops the loop at the next batch boundary and calls ``on_exception``; the
     process then exits non-zero (130 after SIGINT, 143 after SIGTERM, set by
-    ``vit_mnist.train.main``). In the test after training nothing is saved. Other
+    ``vit_mnist.tasks.train.main``). In the test after training nothing is saved. Other
     exceptions, such as a non-finite loss, save nothing, so the last good checkpoint is kept.
 
     Nothing is saved before training has started (``on_train_start``, which Lightning calls

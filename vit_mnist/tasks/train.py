@@ -21,13 +21,6 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from vit_mnist.callbacks.throughput import TrainThroughput
-from vit_mnist.checkpointing import (
-    check_teacher,
-    model_to_start_from,
-    resume_checkpoint,
-    resume_command,
-)
 from vit_mnist.data.augment import BatchAugment
 from vit_mnist.data.sources import MNIST_MD5, raw_folder
 from vit_mnist.errors import ConfigError, WriteError, exit_on_user_error
@@ -35,9 +28,16 @@ from vit_mnist.hardware import describe_device, resolve_accelerator, resolve_pre
 from vit_mnist.io import unwritable, write_metrics
 from vit_mnist.models import check_model_args
 from vit_mnist.models.checks import CONV_STEM_KEYS
-from vit_mnist.module import ViTClassifier
 from vit_mnist.settings import PRECISIONS, TrainSettings, check_settings, import_target
 from vit_mnist.speed.choose import Choice, prepare_speed
+from vit_mnist.training.callbacks.throughput import TrainThroughput
+from vit_mnist.training.checkpointing import (
+    check_teacher,
+    model_to_start_from,
+    resume_checkpoint,
+    resume_command,
+)
+from vit_mnist.training.module import ViTClassifier
 
 log = logging.getLogger(__name__)
 
@@ -428,7 +428,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     Exit status: 0 when done, 2 for bad input, a non-finite loss or files that cannot be
     written (a full disk, a folder made read-only: one line, what was written kept), 130
     after Ctrl-C and 143 after SIGTERM. In the training loop both save ``last.ckpt`` first
-    and print the command that resumes (:class:`~vit_mnist.callbacks.SaveOnInterrupt`);
+    and print the command that resumes (:class:`~vit_mnist.training.callbacks.SaveOnInterrupt`);
     anywhere else they stop at once with one line.
     """
     prepare_ddp_launch(cfg.trainer)

@@ -12,11 +12,11 @@ from torch import nn
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from vit_mnist.distillation import distillation_loss
 from vit_mnist.errors import NonFiniteLossError
 from vit_mnist.models import build_model
 from vit_mnist.models.vit import average_heads
-from vit_mnist.schedule import warmup_cosine
+from vit_mnist.training.distillation import distillation_loss
+from vit_mnist.training.schedule import warmup_cosine
 
 RUN_INFO_KEY = "vit_mnist"
 
@@ -51,7 +51,8 @@ class ViTClassifier(L.LightningModule):
             ten-crop average of Krizhevsky et al. 2012 (section 4.1) with Simard et al.
             2003's shifts (section 2).
         teacher_ckpt: a checkpoint of this project whose outputs the distillation token
-            learns (vit_mnist/distillation.py); needs ``model["distillation"]``. None: none.
+            learns (vit_mnist/training/distillation.py); needs ``model["distillation"]``.
+            None: none.
         distillation_tau: None: the distillation token learns the teacher's hard labels
             (DeiT's hard distillation); a temperature > 0: its softened outputs (DeiT's
             eq. 2, Hinton et al. 2015).

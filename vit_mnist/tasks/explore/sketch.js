@@ -1,4 +1,4 @@
-// The explorer's Draw tab (vit_mnist/explorer.py): Gradio's HTML component runs this with
+// The explorer's Draw tab (vit_mnist/tasks/explore/): Gradio's HTML component runs this with
 // `element` (the component's HTML: a canvas and a Clear button) and `trigger`. At the
 // pointer's release the drawing goes with the event, as one PNG data URL; Clear sends none.
 const canvas = element.querySelector('canvas');
