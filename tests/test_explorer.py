@@ -25,7 +25,6 @@ from PIL import Image, ImageDraw, ImageFile
 
 from tests.conftest import ROOT, compose_config
 from tests.test_predict import draw_digit
-from vit_mnist import explorer as explorer_module
 from vit_mnist.analysis.attention import attention_report, cls_attention
 from vit_mnist.analysis.heads import heads_switched_off, heads_zeroed
 from vit_mnist.analysis.logit_attribution import direct_logit_attribution
@@ -35,6 +34,7 @@ from vit_mnist.analysis.roles import ROLE_COLUMNS
 from vit_mnist.errors import ConfigError
 from vit_mnist.settings import ExploreSettings, check_settings
 from vit_mnist.tasks.explore import Explorer, load_explorer, main, original_heads, read_head_table
+from vit_mnist.tasks.explore import session as explorer_module
 from vit_mnist.training.callbacks.attention_maps import panel_indices
 from vit_mnist.training.module import RUN_INFO_KEY, ViTClassifier
 
