@@ -20,16 +20,19 @@ precision against the device) are checked after this: the model's in
 
 from __future__ import annotations
 
+import ast
 import difflib
 import importlib
+import importlib.util
 import inspect
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from vit_mnist.errors import ConfigError
 
@@ -165,54 +168,6 @@ class SpeedSettings(Section):
     compile: bool = _f()
 
 
-class ModelSettings(Section):
-    """``VisionTransformer``'s arguments (vit_mnist/models/vit.py), or with ``arch=cnn`` the
-    convnet teacher's (vit_mnist/models/cnn.py); ``patch_size`` dividing ``img_size`` and
-    ``num_heads`` dividing ``embed_dim`` are combinations (vit_mnist/models/checks.py)."""
-
-    # The network: the Vision Transformer, or the convnet teacher of a distillation
-    # (vit_mnist/models/cnn.py, which takes img_size, in_chans and num_classes only).
-    arch: Literal["vit", "cnn"] = _f("model=cnn")
-    img_size: int = _f("model.img_size=28", ge=1)
-    in_chans: int = _f("model.in_chans=1", ge=1)
-    num_classes: int = _f("model.num_classes=10", ge=2)
-    patch_size: int = _f("model.patch_size=7", ge=1)
-    embed_dim: int = _f("model.embed_dim=64", ge=1)
-    depth: int = _f("model.depth=6", ge=1)
-    num_heads: Heads = _f("model.num_heads=4")
-    head_dim: int | None = _f("model.head_dim=16", ge=1)
-    mlp_ratio: float = _f("model.mlp_ratio=2.0", gt=0)
-    dropout: float = _rate("model.dropout")
-    attn_dropout: float = _rate("model.attn_dropout")
-    # "auto" is what checkpoints of earlier versions stored: it runs the explicit path.
-    attention_impl: Literal["explicit", "fused", "auto"] = _f("model.attention_impl=explicit")
-    causal: bool = _f()
-    qkv_bias: bool = _f()
-    drop_path_rate: float = _rate("model.drop_path_rate")
-    distillation: bool = _f()
-    stem: Literal["patch", "conv"] = _f("model.stem=conv")
-    stem_channels: list[Annotated[int, Field(ge=1)]] | None = _f("model.stem_channels=[32,64]")
-    stem_strides: list[Annotated[int, Field(ge=1)]] | None = _f("model.stem_strides=[2,1,2,1]")
-
-
-class ModuleSettings(Built):
-    """``ViTClassifier``'s optimiser and loss (vit_mnist/training/module.py)."""
-
-    lr: float = _f("module.lr=2e-3", gt=0)
-    weight_decay: float = _f("module.weight_decay=0.05", ge=0)
-    betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field(
-        None, min_length=2, max_length=2, examples=["module.betas=[0.9,0.999]"]
-    )
-    warmup_epochs: float = _f("module.warmup_epochs=1", ge=0)
-    min_lr_ratio: float = _f("module.min_lr_ratio=0.01", ge=0, le=1)
-    schedule_epochs: float | None = _f("module.schedule_epochs=27", gt=0)
-    # 1 would make every target uniform: nothing left to learn.
-    label_smoothing: float = _f("module.label_smoothing=0.1", ge=0, lt=1)
-    test_time_shift: int = _shift("module.test_time_shift")
-    teacher_ckpt: str | None = _f("module.teacher_ckpt=PATH/best.ckpt")
-    distillation_tau: float | None = _f("module.distillation_tau=3", gt=0)
-
-
 class AugmentSettings(Section):
     degrees: float = _f("data.augment.degrees=10", ge=0, le=180)
     # A fraction of the image side, as torchvision's RandomAffine.
@@ -226,30 +181,185 @@ class AugmentSettings(Section):
     elastic_sigma: float = _f("data.augment.elastic_sigma=4", gt=0)
 
 
-class DataSettings(Built):
-    """The data modules' arguments (vit_mnist/data/); each key is also checked against the
-    chosen module's signature, so ``num_train`` is refused for MNIST. Sizes against the
-    dataset (``batch_size``, ``val_size``) are checked by the data module."""
+# ------------------------------------------------- sections built from the project's classes
+# The model, the module and the data sections take the arguments of the project's own
+# classes: their names and types are read from the constructors' signatures (section
+# :func:`built_from`), so that a new argument is written once, in its class. Only what a
+# signature cannot state is added here: each argument's range or choices and example.
 
-    data_dir: str | None = _f()
-    batch_size: int = _f("data.batch_size=256", ge=1)
-    num_workers: int = _f("data.num_workers=2", ge=0)
-    val_size: int = _f("data.val_size=5000", ge=1)
-    split_seed: int = _seed("data.split_seed", below=2**64)
-    download: bool = _f()
+# The networks ``model.arch`` chooses between, by the class's dotted name.
+MODEL_CLASSES = {
+    "vit": "vit_mnist.models.vit.VisionTransformer",
+    "cnn": "vit_mnist.models.cnn.ConvNet",
+}
+MODULE_CLASS = "vit_mnist.training.module.ViTClassifier"
+# The data modules the configs name (configs/data/); FashionMNISTDataModule takes MNIST's.
+DATA_MODULES = (
+    "vit_mnist.data.mnist.MNISTDataModule",
+    "vit_mnist.data.synthetic.SyntheticDataModule",
+)
+
+_Positive = list[Annotated[int, Field(ge=1)]] | None
+MODEL_RANGES: dict[str, Any] = {
+    # Not a constructor argument: which constructor (build_model).
+    "arch": (Literal[tuple(MODEL_CLASSES)], _f("model=cnn")),
+    "img_size": _f("model.img_size=28", ge=1),
+    "in_chans": _f("model.in_chans=1", ge=1),
+    "num_classes": _f("model.num_classes=10", ge=2),
+    "patch_size": _f("model.patch_size=7", ge=1),
+    "embed_dim": _f("model.embed_dim=64", ge=1),
+    "depth": _f("model.depth=6", ge=1),
+    "num_heads": (Heads, _f("model.num_heads=4")),
+    "head_dim": _f("model.head_dim=16", ge=1),
+    "mlp_ratio": _f("model.mlp_ratio=2.0", gt=0),
+    "dropout": _rate("model.dropout"),
+    "attn_dropout": _rate("model.attn_dropout"),
+    # "auto" is what checkpoints of earlier versions stored: it runs the explicit path.
+    "attention_impl": (Literal["explicit", "fused", "auto"], _f("model.attention_impl=explicit")),
+    "drop_path_rate": _rate("model.drop_path_rate"),
+    "stem": (Literal["patch", "conv"], _f("model.stem=conv")),
+    "stem_channels": (_Positive, _f("model.stem_channels=[32,64]")),
+    "stem_strides": (_Positive, _f("model.stem_strides=[2,1,2,1]")),
+}
+MODULE_RANGES: dict[str, Any] = {
+    "lr": _f("module.lr=2e-3", gt=0),
+    "weight_decay": _f("module.weight_decay=0.05", ge=0),
+    "betas": (
+        list[Annotated[float, Field(ge=0, lt=1)]],
+        Field(None, min_length=2, max_length=2, examples=["module.betas=[0.9,0.999]"]),
+    ),
+    "warmup_epochs": _f("module.warmup_epochs=1", ge=0),
+    "min_lr_ratio": _f("module.min_lr_ratio=0.01", ge=0, le=1),
+    "schedule_epochs": _f("module.schedule_epochs=27", gt=0),
+    # 1 would make every target uniform: nothing left to learn.
+    "label_smoothing": _f("module.label_smoothing=0.1", ge=0, lt=1),
+    "test_time_shift": _shift("module.test_time_shift"),
+    "teacher_ckpt": _f("module.teacher_ckpt=PATH/best.ckpt"),
+    "distillation_tau": _f("module.distillation_tau=3", gt=0),
+}
+DATA_RANGES: dict[str, Any] = {
+    "data_dir": (str | None, _f()),
+    "batch_size": _f("data.batch_size=256", ge=1),
+    "num_workers": _f("data.num_workers=2", ge=0),
+    "val_size": _f("data.val_size=5000", ge=1),
+    "split_seed": _seed("data.split_seed", below=2**64),
     # Of the pixel values, which are in [0, 1]: so is their mean, and their standard
     # deviation is at most 0.5 (half the range, Popoviciu's inequality).
-    mean: float = _f("data.mean=0.1307", ge=0, le=1)
-    std: float = _f("data.std=0.3081", gt=0, le=0.5)
-    pin_memory: bool = _f()
-    fast: bool = _f()
-    on_device: bool = _f()
-    augment: AugmentSettings | None = None
-    num_train: int = _f("data.num_train=512", ge=1)
-    num_val: int = _f("data.num_val=128", ge=1)
-    num_test: int = _f("data.num_test=128", ge=1)
-    noise: float = _f("data.noise=1.0", ge=0)
-    seed: int = _seed("data.seed", below=2**64)
+    "mean": _f("data.mean=0.1307", ge=0, le=1),
+    "std": _f("data.std=0.3081", gt=0, le=0.5),
+    "augment": (AugmentSettings | None, None),
+    "num_train": _f("data.num_train=512", ge=1),
+    "num_val": _f("data.num_val=128", ge=1),
+    "num_test": _f("data.num_test=128", ge=1),
+    "noise": _f("data.noise=1.0", ge=0),
+    "seed": _seed("data.seed", below=2**64),
+}
+
+
+def _source_file(module: str) -> Path:
+    """The file of ``module`` (a dotted name in this package), found without importing it
+    or its package (``vit_mnist.models`` imports torch)."""
+    package, *parts = module.split(".")
+    (root,) = importlib.util.find_spec(package).submodule_search_locations
+    return Path(root, *parts).with_suffix(".py")
+
+
+def constructor_arguments(target: str) -> dict[str, Any]:
+    """The keyword arguments of the class ``target`` (dotted, such as
+    ``"vit_mnist.models.vit.VisionTransformer"``) and their annotations, read from its
+    ``__init__``'s signature in the source with ``ast``, so that checking the settings
+    imports neither the class nor torch (the one-line error comes in about a second).
+
+    Raises:
+        LookupError: no such class, or one without an ``__init__`` of its own.
+    """
+    module, _, name = target.rpartition(".")
+    tree = ast.parse(_source_file(module).read_text(encoding="utf-8"))
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
+    inits = [
+        n
+        for c in classes
+        for n in c.body
+        if isinstance(n, ast.FunctionDef) and n.name == "__init__"
+    ]
+    if not inits:
+        raise LookupError(f"{target}: no class with an __init__ of its own in {module}")
+    args = inits[0].args
+    # The annotations name builtins and what the module takes from the standard library's
+    # typing modules (Sequence, Any): those are cheap to import, the rest is not needed.
+    names = {
+        alias.asname or alias.name: getattr(importlib.import_module(n.module), alias.name)
+        for n in tree.body
+        if isinstance(n, ast.ImportFrom) and n.module in ("typing", "collections.abc")
+        for alias in n.names
+    }
+    return {
+        a.arg: eval(ast.unparse(a.annotation), names) if a.annotation else Any  # noqa: S307
+        for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]
+        if a.arg != "self"
+    }
+
+
+def built_from(
+    name: str,
+    targets: typing.Iterable[str],
+    ranges: dict[str, Any],
+    *,
+    base: type = Section,
+    leave_out: tuple[str, ...] = (),
+    doc: str = "",
+) -> type[Section]:
+    """A section (pydantic's ``create_model``) whose fields are the keyword arguments of
+    the classes ``targets`` (their union), each of its signature's type, with its range,
+    choices and example from ``ranges`` (an argument: a ``Field``, or a ``(type, Field)``
+    pair that narrows the type), and checked only where the YAML sets it; the arguments
+    ``leave_out`` (passed by the code, not the config) are not settings.
+
+    Raises:
+        LookupError: a range for an argument that none of ``targets`` takes (a renamed
+            argument whose range was left behind).
+    """
+    signature: dict[str, Any] = {}
+    for target in targets:
+        for arg, annotation in constructor_arguments(target).items():
+            if arg not in leave_out:
+                signature.setdefault(arg, annotation)
+    stray = [k for k, v in ranges.items() if k not in signature and not isinstance(v, tuple)]
+    if stray:
+        raise LookupError(f"{name}: ranges for {stray}, which no constructor of {targets} takes")
+    # A setting that is no argument (model.arch) first, then the signatures' order.
+    fields = {k: v for k, v in ranges.items() if k not in signature}
+    for arg, annotation in signature.items():
+        given = ranges.get(arg, _f())
+        fields[arg] = given if isinstance(given, tuple) else (annotation, given)
+    return create_model(name, __base__=base, __doc__=doc, **fields)
+
+
+ModelSettings = built_from(
+    "ModelSettings",
+    MODEL_CLASSES.values(),
+    MODEL_RANGES,
+    doc="""``VisionTransformer``'s arguments (vit_mnist/models/vit.py), or with ``arch=cnn`` the
+    convnet teacher's (vit_mnist/models/cnn.py); ``patch_size`` dividing ``img_size`` and
+    ``num_heads`` dividing ``embed_dim`` are combinations (vit_mnist/models/checks.py).""",
+)
+ModuleSettings = built_from(
+    "ModuleSettings",
+    [MODULE_CLASS],
+    MODULE_RANGES,
+    base=Built,
+    leave_out=("model",),  # the model section, passed by train()
+    doc="``ViTClassifier``'s optimiser and loss (vit_mnist/training/module.py).",
+)
+DataSettings = built_from(
+    "DataSettings",
+    DATA_MODULES,
+    DATA_RANGES,
+    base=Built,
+    doc="""The data modules' arguments (vit_mnist/data/); each key is also checked against the
+    chosen module's signature, so ``num_train`` is refused for MNIST. Sizes against the
+    dataset (``batch_size``, ``val_size``) are checked by the data module.""",
+)
 
 
 class TrainerSettings(OpenBuilt):

@@ -12,7 +12,7 @@ from vit_mnist.models.checks import check_vit_args
 from vit_mnist.models.cnn import ConvNet, check_cnn_args
 from vit_mnist.models.stem import PatchEmbedding
 from vit_mnist.models.vit import EncoderBlock, VisionTransformer
-from vit_mnist.settings import ModelSettings, check_arguments
+from vit_mnist.settings import MODEL_CLASSES, ModelSettings, check_arguments, import_target
 
 __all__ = [
     "ConvNet",
@@ -45,7 +45,7 @@ def check_model_args(model: dict[str, Any]) -> None:
     arch, args = _split(model)
     check_arguments(ModelSettings, {**args, "arch": arch}, prefix="model.")
     cnn = arch == "cnn"
-    bound = inspect.signature(ConvNet if cnn else VisionTransformer).bind(**args)
+    bound = inspect.signature(import_target(MODEL_CLASSES[arch])).bind(**args)
     bound.apply_defaults()
     (check_cnn_args if cnn else check_vit_args)(**bound.arguments)
 
@@ -58,4 +58,4 @@ def build_model(model: dict[str, Any]) -> nn.Module:
         ConfigError: see :func:`check_model_args`.
     """
     arch, args = _split(model)
-    return (ConvNet if arch == "cnn" else VisionTransformer)(**args)
+    return import_target(MODEL_CLASSES[arch])(**args)
