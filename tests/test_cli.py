@@ -130,9 +130,9 @@ def test_a_config_group_turned_off_is_told_how(monkeypatch, capsys, tmp_path):
     line = hydra_error(monkeypatch, capsys, "~logger", f"hydra.run.dir={tmp_path}")
     assert "callbacks.lr_monitor" in line and "~logger callbacks.lr_monitor=null" in line
     assert not (tmp_path / "checkpoints").exists()
-    from vit_mnist.tasks.train import check_config
+    from vit_mnist.training.checks import check_run
 
-    check_config(compose_config("train", ["~logger", "callbacks.lr_monitor=null"], tmp_path))
+    check_run(compose_config("train", ["~logger", "callbacks.lr_monitor=null"], tmp_path))
 
 
 def test_a_checkout_that_is_not_installed_is_told_to_install_it(monkeypatch, capsys):

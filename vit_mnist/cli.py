@@ -88,10 +88,10 @@ def _start(task: str, cfg: DictConfig) -> ModuleType:
     """Import ``vit_mnist.<task>`` (torch, Lightning: seconds) and quiet the console.
 
     Before the imports, outside a multirun, ``cfg``'s keys, types and ranges are checked
-    against the schema of ``command`` (a key of :data:`vit_mnist.settings.SETTINGS`;
-    ``task`` by default), which needs neither: a bad value is one line (exit status 2) in
-    about a second, not after them. The task checks again with what needs the imports; in
-    a multirun it alone does, so that a bad job is recorded once and the sweep goes on.
+    against the task's schema (:data:`vit_mnist.settings.SETTINGS`), which needs neither: a
+    bad value is one line (exit status 2) in about a second, not after them. The task then
+    checks only what needs the imports (the values that passed are not checked again); in
+    a multirun it alone checks, so that a bad job is recorded once and the sweep goes on.
     Ctrl-C during the imports ends the program with one line and status 130.
     """
     from vit_mnist.settings import SETTINGS, check_settings

@@ -15,7 +15,7 @@ out is not checked.
 Combinations that need more than one value or the machine (patch size against image size,
 heads against width, the model against the dataset, the batch against the dataset,
 precision against the device) are checked after this: the model's in
-``vit_mnist.models.checks``, the run's in ``vit_mnist.tasks.train.check_config``.
+``vit_mnist.models.checks``, a training run's in ``vit_mnist.training.checks.check_run``.
 """
 
 from __future__ import annotations
@@ -772,6 +772,12 @@ def _check_target(key: str, node: Any) -> None:
             _check_target(f"{key}.{name}", value)
 
 
+# The schema and the values that last passed it: the command line checks them before the
+# task's imports (vit_mnist.cli), and the task's own check (called the same way by tests
+# and by Python callers) then does only what needs the imports, the targets.
+_passed: tuple[type[Section], dict[str, Any]] | None = None
+
+
 def check_settings(cfg: DictConfig, schema: type[Section], targets: bool = True) -> dict[str, Any]:
     """Check every key of ``cfg`` against ``schema`` (one of the ``*Settings`` classes).
 
@@ -780,6 +786,8 @@ def check_settings(cfg: DictConfig, schema: type[Section], targets: bool = True)
     in its range or among its choices; with ``targets``, every section with a ``_target_``
     (``trainer``, ``data``, ``module``, each callback and logger) takes only arguments of
     that class, which imports it (torch, Lightning: seconds; without, no torch is needed).
+    Values that passed ``schema`` just before (the command line's check of the same run)
+    are not checked against it again.
 
     Returns:
         The resolved settings as plain Python values.
@@ -798,7 +806,10 @@ def check_settings(cfg: DictConfig, schema: type[Section], targets: bool = True)
         key = getattr(e, "full_key", "") or "a setting"
         raise ConfigError(f"{key}: {' '.join(str(e).split())}") from None
     values.pop("hydra", None)
-    check_arguments(schema, values)
+    global _passed
+    if _passed != (schema, values):
+        check_arguments(schema, values)
+        _passed = (schema, values)
     if targets:
         for section, sub in values.items():
             if isinstance(sub, dict) and "_target_" not in sub:  # callbacks, logger: by name
