@@ -34,6 +34,7 @@ from vit_mnist.analysis.roles import ROLE_COLUMNS
 from vit_mnist.errors import ConfigError
 from vit_mnist.settings import ExploreSettings, check_settings
 from vit_mnist.tasks.explore import Explorer, load_explorer, main, original_heads, read_head_table
+from vit_mnist.tasks.explore import server as server_module
 from vit_mnist.tasks.explore import session as explorer_module
 from vit_mnist.training.callbacks.attention_maps import panel_indices
 from vit_mnist.training.module import RUN_INFO_KEY, ViTClassifier
@@ -499,8 +500,8 @@ def test_an_address_open_to_the_network_is_warned_about(tmp_path, tiny_ckpt, mon
         def close(self):
             pass
 
-    monkeypatch.setattr(explorer_module, "build_page", lambda explorer: Served())
-    monkeypatch.setattr(explorer_module, "launch", lambda page, **kw: "http://localhost:7860/")
+    monkeypatch.setattr(server_module, "build_page", lambda explorer: Served())
+    monkeypatch.setattr(server_module, "launch", lambda page, **kw: "http://localhost:7860/")
     for name, warned in (("0.0.0.0", True), ("127.0.0.1", False)):
         caplog.clear()
         main(explore_cfg(tmp_path, f"ckpt_path={tiny_ckpt}", f"server_name={name}"))

@@ -1,54 +1,40 @@
-"""The attention explorer: a local web page (Gradio) on which a person draws, uploads or
-picks a digit and sees every layer and head of a checkpoint's model at once, asks where a
-patch attends, asks why a class and not another, switches heads off, and saves the view.
+"""The explorer's session: a checkpoint's model and everything the page shows of it
+(:class:`Explorer`), an image at a time, with no Gradio.
 
-The page only lays out and calls: every number and map comes from
-:func:`vit_mnist.analysis.explain.explain_image` (one forward and backward pass per input,
-the heads switched off given as an argument, so sessions never see each other's), which
-calls the functions TensorBoard, ``predict.py`` and ``eval.py analysis=heads`` use; the
-preprocessing of a drawn or uploaded image is ``predict.py``'s
-:func:`~vit_mnist.data.images.mnist_preprocess`; the pictures are
-:mod:`vit_mnist.analysis.drawing`'s.
-
-Safe by default: bound to 127.0.0.1 unless ``server_name`` says otherwise (then a warning),
-Gradio's telemetry off, uploads limited to ``max_upload_mb`` and ``max_upload_megapixels``
-and read by this module with ``predict.py``'s guards, files taken as uploads only (never
-fetched from a URL), uploads and drawings deleted when the page stops, and no file served
-but the pictures the page makes.
+Every number and map comes from :func:`vit_mnist.analysis.explain.explain_image` (one
+forward and backward pass per input, the heads switched off given as an argument, so
+sessions never see each other's), which calls the functions TensorBoard, ``predict.py`` and
+``eval.py analysis=heads`` use; a drawn or uploaded image is preprocessed as ``predict.py``
+does (:func:`~vit_mnist.data.images.mnist_preprocess`) and read with its guards; the
+pictures are :mod:`vit_mnist.analysis.drawing`'s.
 """
 
 from __future__ import annotations
 
 import base64
 import csv
-import errno
 import io
-import ipaddress
 import itertools
 import json
 import logging
-import os
-import socket
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from PIL import Image
 
 from vit_mnist.analysis import drawing
 from vit_mnist.analysis.explain import ImageExplanation, explain_image
 from vit_mnist.analysis.roles import ROLE_COLUMNS
 from vit_mnist.data.images import IMAGE_SUFFIXES, UNREADABLE, mnist_preprocess
-from vit_mnist.errors import CheckpointError, ConfigError, DataError, WriteError, exit_on_user_error
+from vit_mnist.errors import CheckpointError, ConfigError, DataError
 from vit_mnist.io import atomic_write_bytes, save_png
 from vit_mnist.models.vit import VisionTransformer
-from vit_mnist.settings import ExploreSettings, check_settings
 from vit_mnist.training.callbacks.attention_maps import panel_indices
 from vit_mnist.training.checkpointing import (
     checkpoint_datamodule,
@@ -64,34 +50,12 @@ ZOOM = 8  # screen pixels per image pixel of the 28 x 28 input and the explanati
 MODEL_VIEW_ZOOM = 3  # and of each tile of the model view (6 x 4 tiles of 84 px)
 MATRIX_SIDE = 340  # px: the attention matrix's cells at most this wide together
 TOP_K = 3  # classes in the prediction panel
-# The colour scale's choices; the first is the default.
-SCALES = ("each map", "shared")
-# The Draw tab's canvas, the page's own (Gradio's HTML component): at the pointer's release
-# the drawing goes with the event, one PNG data URL in one request. Gradio's Sketchpad
-# renders and uploads three PNGs first, about a second a stroke in headless Chromium on a
-# 2-core CPU, over the 500 ms asked (docs/explorer.md).
+# The Draw tab's canvas (vit_mnist/tasks/explore/page.py), whose drawing the session reads.
 CANVAS_SIDE = 280  # px
-INK_WIDTH = 22  # px
-SKETCH_HTML = (
-    "<p>draw one digit, about as tall as the box</p>"
-    f'<canvas width="{CANVAS_SIDE}" height="{CANVAS_SIDE}" data-ink="{INK_WIDTH}" role="img" '
-    'aria-label="a canvas: draw one digit with the mouse, a pen or a finger"></canvas>'
-    '<button type="button">Clear canvas</button>'
-)
-SKETCH_CSS = (
-    "canvas { display: block; background: white; border: 1px solid #bbb; "
-    "touch-action: none; cursor: crosshair; } button { margin-top: 6px; padding: 2px 10px; } "
-    "p { margin: 0 0 4px; color: #555; }"
-)
-# Uploads, drawings and the pictures sent to the browser live in Gradio's cache folder;
-# Gradio deletes those older than this every as many seconds, and all when the page closes.
-CACHE_MAX_AGE_S = 3600
-LAUNCH_TRIES = 3
 PREDICTED = -1  # the explanation dropdown's value for "the predicted class"
 # The logit lens's two lines, the same names for every image: Gradio's line plot keeps the
 # colours' domain of its first picture and draws no line whose name is not in it.
 LENS_LINES = ("predicted", "compared")
-DRAWING = "drawing"  # the source of an image drawn on the page
 # The columns of eval.py's head_importance.csv (analysis=heads) that the head table shows,
 # in this order; and those of its roles.csv (analysis=roles).
 HEAD_TABLE_COLUMNS = tuple(
@@ -170,7 +134,7 @@ class View:
     settings: dict[str, Any] = field(default_factory=dict)
 
 
-def _array(picture: torch.Tensor) -> np.ndarray:
+def picture_array(picture: torch.Tensor) -> np.ndarray:
     """(3, H, W) uint8 or float in [0, 1] -> (H, W, 3) uint8, as Gradio shows it."""
     if picture.dtype != torch.uint8:
         picture = _tensor(picture)
@@ -182,7 +146,7 @@ def _tensor(picture: torch.Tensor) -> torch.Tensor:
     return (picture.clamp(0, 1) * 255).round().to(torch.uint8)
 
 
-def _zoomed(picture: torch.Tensor, zoom: int = ZOOM) -> torch.Tensor:
+def zoomed(picture: torch.Tensor, zoom: int = ZOOM) -> torch.Tensor:
     """(N, 3, H, W) -> each pixel a zoom x zoom square."""
     return F.interpolate(picture.float(), scale_factor=zoom, mode="nearest")
 
@@ -202,7 +166,9 @@ def _bar(picture: torch.Tensor, maps: list[torch.Tensor], shared: bool, caption:
     if low is None and len(maps) == 1:  # one map scaled to itself: its own range
         low, high = float(maps[0].min()), float(maps[0].max())
     ends = ("each map's min", "its max") if low is None else (f"{low:.3g}", f"{high:.3g}")
-    return _array(drawing.with_colour_bar(picture, low=ends[0], high=ends[1], caption=caption))
+    return picture_array(
+        drawing.with_colour_bar(picture, low=ends[0], high=ends[1], caption=caption)
+    )
 
 
 @dataclass
@@ -455,7 +421,7 @@ class Explorer:
             picture = drawing.attention_matrix(w, names, cell=cell, low=lo, high=hi)
             matrix = _bar(picture, [w], shared, "attention weight (row: query, column: key)")
         query_view = self._heads(e, image, shared, layer=layer, token=token)
-        return _array(self._seen(image, token)), query_view, matrix
+        return picture_array(self._seen(image, token)), query_view, matrix
 
     def _heads(
         self, e: ImageExplanation, image: torch.Tensor, shared: bool, layer: int | None, token: int
@@ -511,7 +477,7 @@ class Explorer:
             drawing.value_table(t, row_labels=rows, col_labels=cols, limit=limit, off=off)
             for t in tables
         ]
-        return _array(
+        return picture_array(
             drawing.with_colour_bar(
                 drawing.stack_pictures(pictures, titles),
                 low=f"-{limit:.2f}",
@@ -540,7 +506,7 @@ class Explorer:
     def _single(image: torch.Tensor, m: torch.Tensor, shared: bool, caption: str) -> np.ndarray:
         """One (grid, grid) map over the zoomed image, with its colour bar."""
         low, high = colour_range([m], shared)
-        picture = _zoomed(drawing.overlay(image, m[None], low=low, high=high))[0]
+        picture = zoomed(drawing.overlay(image, m[None], low=low, high=high))[0]
         return _bar(_tensor(picture), [m], shared, caption)
 
     def _name(self, token: int, short: bool = False) -> str:
@@ -554,7 +520,7 @@ class Explorer:
     def _seen(self, image: torch.Tensor, token: int) -> torch.Tensor:
         """The 28 x 28 input, zoomed, with the patch grid and the query patch outlined."""
         grid, prefix = self.model.patch_embed.grid_size, self.model.num_prefix_tokens
-        picture = _zoomed(drawing.grey(image))[0]  # (3, 28 * ZOOM, 28 * ZOOM)
+        picture = zoomed(drawing.grey(image))[0]  # (3, 28 * ZOOM, 28 * ZOOM)
         step = picture.shape[-1] // grid
         picture[:, ::step, :] = picture[:, :, ::step] = 0.35
         if token >= prefix:
@@ -655,538 +621,3 @@ def load_explorer(cfg: DictConfig) -> Explorer:
     explorer.examples = (images, labels[chosen])
     explorer.test_set = datamodule.data_test
     return explorer
-
-
-# ---------------------------------------------------------------------------------- the page
-
-
-def _gradio():
-    """Gradio, imported with its telemetry off; a one-line error when it is missing."""
-    # Read by Gradio when it is imported and when a page is launched: no usage reports,
-    # no version check over the network.
-    os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
-    try:
-        import gradio as gr
-    except ImportError:
-        raise ConfigError(
-            "the explorer needs Gradio: python -m pip install -e '.[explore]'"
-        ) from None
-    return gr
-
-
-def build_page(explorer: Explorer):
-    """The Gradio page (a ``gr.Blocks``) of ``explorer``; not launched.
-
-    A new image, a head switched on or off and a new class to explain run the model once
-    (:meth:`Explorer.view`) and update every panel; the colour scale redraws them from the
-    session's last explanation, and a patch, query token, layer or matrix head redraws the
-    query view alone (:meth:`Explorer.query`), without the model.
-    """
-    gr = _gradio()
-    model, names = explorer.model, explorer.class_names
-    prefix, grid = model.num_prefix_tokens, model.patch_embed.grid_size
-    tokens = [("CLS", 0), ("distillation", 1)][:prefix]
-    tokens += [(explorer._name(t), t) for t in range(prefix, prefix + grid**2)]
-    examples = [
-        (_array(_zoomed(drawing.grey(x[None]), 3)[0]), names[int(y)])
-        for x, y in zip(*(explorer.examples or ([], [])), strict=True)
-    ]
-
-    def head_choices(layer: int) -> list[tuple[str, int]]:
-        return [(f"head {n}", h) for h, n in enumerate(explorer.head_names[layer])]
-
-    def image(title: str, alt: str, elem_id: str):
-        # Titles as text above the pictures, not Gradio's label, which covers their top
-        # left corner; no Share button (it only says "Must be on Spaces to share").
-        gr.Markdown(title)
-        return gr.Image(
-            show_label=False,
-            interactive=False,
-            format="png",
-            buttons=["download", "fullscreen"],
-            alt_text=alt,
-            elem_id=elem_id,
-        )
-
-    with gr.Blocks(
-        title="vit-mnist attention explorer",
-        analytics_enabled=False,
-        delete_cache=(CACHE_MAX_AGE_S, CACHE_MAX_AGE_S),
-    ) as page:
-        # {"x": (1, 1, 28, 28) normalised image, "source": str, "key": (heads off, class)
-        # of "explanation", the last Explorer.explain of x}: per session.
-        state = gr.State(None)
-        gr.Markdown(
-            f"### vit-mnist attention explorer\n`{explorer.title}`: {model.depth} layers, "
-            f"heads per layer {[len(h) for h in explorer.head_names]}, patch "
-            f"{model.patch_embed.patch_size}"
-        )
-        with gr.Row():
-            with gr.Column(scale=3):
-                with gr.Tabs():
-                    with gr.Tab("Draw"):
-                        sketch = gr.HTML(
-                            html_template=SKETCH_HTML,
-                            css_template=SKETCH_CSS,
-                            js_on_load=Path(__file__).with_name("sketch.js").read_text(),
-                            elem_id="sketch",
-                        )
-                    with gr.Tab("Upload"):
-                        upload = gr.File(
-                            file_types=list(IMAGE_SUFFIXES),
-                            type="filepath",
-                            label=(
-                                "an image (PNG, JPEG, BMP or WebP; at most "
-                                f"{explorer.max_megapixels:g} megapixels)"
-                            ),
-                            elem_id="upload",
-                        )
-                    with gr.Tab("Test image"):
-                        test_max = len(explorer.test_set) - 1 if explorer.test_set else 0
-                        # No minimum or maximum: Gradio's own check of them prints a
-                        # traceback; Explorer.from_test says the range on the page.
-                        index = gr.Number(
-                            label=f"test image index (0 to {test_max})",
-                            precision=0,
-                            interactive=explorer.test_set is not None,
-                            elem_id="test-index",
-                        )
-                gallery = gr.Gallery(
-                    value=examples,
-                    columns=5,
-                    height=260,
-                    object_fit="contain",
-                    allow_preview=False,
-                    interactive=False,
-                    buttons=[],
-                    label="examples: the TensorBoard panel's validation digits",
-                    visible=explorer.examples is not None,
-                )
-            with gr.Column(scale=2):
-                seen = image(
-                    "**What the model sees** (28 x 28): click a patch to query it",
-                    "the input digit as the model sees it, 28 x 28, with the patch grid and "
-                    "the query patch outlined in red",
-                    "seen",
-                )
-                prediction = gr.Label(num_top_classes=TOP_K, label="prediction")
-                summary = gr.Markdown(elem_id="summary")
-                save = gr.Button(
-                    "save this view", visible=explorer.run_dir is not None, elem_id="save"
-                )
-                saved = gr.Markdown(elem_id="saved")
-            with gr.Column(scale=3):
-                target = gr.Dropdown(
-                    [("the predicted class", PREDICTED)] + [(n, c) for c, n in enumerate(names)],
-                    value=PREDICTED,
-                    label="explain which class (class relevance, Chefer et al. 2021)",
-                )
-                with gr.Row():
-                    with gr.Column(min_width=160):
-                        rollout = image(
-                            "**Attention rollout** (Abnar and Zuidema 2020)",
-                            "attention rollout over the digit: how much of each patch "
-                            "reaches the CLS token through all layers",
-                            "rollout",
-                        )
-                    with gr.Column(min_width=160):
-                        relevance = image(
-                            "**Class relevance** (Chefer et al. 2021)",
-                            "class relevance over the digit: which patches speak for the "
-                            "explained class",
-                            "relevance",
-                        )
-        gr.Markdown("**Heads on** (uncheck to switch a head off; every panel is recomputed)")
-        with gr.Row():
-            switches = [
-                gr.CheckboxGroup(
-                    head_choices(layer),
-                    value=[h for _, h in head_choices(layer)],
-                    label=f"layer {layer}",
-                    elem_id=f"heads-layer-{layer}",
-                    min_width=120,
-                )
-                for layer in range(model.depth)
-            ]
-        with gr.Row():
-            scale = gr.Radio(
-                list(SCALES), value=SCALES[0], label="colour scale", elem_id="scale", scale=1
-            )
-            gr.Markdown(
-                "**Colours** run from the colour bar's left end (dark) to its right end (bright). "
-                "With *each map*, every map is scaled to its own minimum and maximum, so a head "
-                "that attends almost evenly looks as vivid as a sharp one; with *shared*, all maps "
-                "of a panel share one scale from 0 to the panel's largest value."
-            )
-        with gr.Row():
-            with gr.Column(scale=1):
-                model_view = image(
-                    "**Model view**: the CLS token's attention of every layer (rows) and head, "
-                    "its entropy and mean attention distance; a head switched off is crossed out",
-                    "the model view: a grid of layers by heads, each tile the CLS token's "
-                    "attention over the digit, with its entropy and mean distance",
-                    "model-view",
-                )
-            with gr.Column(scale=1):
-                with gr.Row():
-                    layer = gr.Dropdown(
-                        [(f"layer {i}", i) for i in range(model.depth)],
-                        value=0,
-                        label="query view: layer",
-                    )
-                    token = gr.Dropdown(tokens, value=0, label="query token")
-                query_view = image(
-                    "**Where the query token attends**, per head",
-                    "the query view: per head of the chosen layer, where the query token "
-                    "attends over the digit",
-                    "query-view",
-                )
-                matrix_head = gr.Dropdown(
-                    [("none", -1), *head_choices(0)],
-                    value=-1,
-                    label="full attention matrix of head",
-                    elem_id="matrix-head",
-                )
-                matrix = image(
-                    "**Attention matrix**: rows are queries, columns keys",
-                    "the chosen head's full attention matrix, tokens CLS and patch row,column "
-                    "along both sides",
-                    "matrix",
-                )
-        with gr.Row():
-            with gr.Column(scale=1):
-                writes = image(
-                    "**What each head writes**: its output's direct contribution to the predicted "
-                    "class's logit, and to the margin over the class chosen above (else the "
-                    "runner-up): *why this class and not that one* (direct logit attribution, "
-                    "Elhage et al. 2021; `eval.py analysis=circuits` for the whole test set)",
-                    "two tables of layers by heads: each head's direct contribution to the "
-                    "predicted class's logit, and to its margin over the other class",
-                    "writes",
-                )
-            with gr.Column(scale=1):
-                gr.Markdown(
-                    "**Logit lens**: the probability of the predicted class and of the class "
-                    "it is compared with (the one chosen above, else the runner-up), read "
-                    "from the CLS token after each block (nostalgebraist 2020)"
-                )
-                lens = gr.LinePlot(
-                    x="after block",
-                    y="probability %",
-                    color="line",
-                    color_title="class",
-                    y_lim=[0, 100],
-                    show_label=False,
-                    elem_id="lens",
-                )
-        if explorer.head_table is not None:
-            headers, rows = explorer.head_table
-            with gr.Accordion("heads by importance (eval.py analysis=heads or roles)", open=False):
-                gr.Dataframe(value=rows, headers=headers, interactive=False)
-
-        controls = [target, scale, layer, token, matrix_head, *switches]
-        session = [state, *controls]
-        # The View's fields and the components that show them: a new panel is a field of
-        # View and a line here.
-        panels = {
-            "top": prediction,
-            "summary": summary,
-            "seen": seen,
-            "model_view": model_view,
-            "query_view": query_view,
-            "matrix": matrix,
-            "rollout": rollout,
-            "relevance": relevance,
-            "writes": writes,
-            "lens": lens,
-        }
-        shown = [state, *panels.values()]
-        queried = [seen, query_view, matrix]
-
-        def choices(values: Sequence[Any], **changed: Any) -> dict[str, Any]:
-            """The controls' values as :meth:`Explorer.view`'s arguments, with ``changed``."""
-            target_v, scale_v, layer_v, token_v, head_v, *checked = values
-            return {
-                "heads_off": explorer.heads_off(checked),
-                "target": target_v,
-                "layer": int(layer_v or 0),
-                "token": int(token_v or 0),
-                "matrix_head": None if head_v is None or int(head_v) < 0 else int(head_v),
-                "shared": scale_v == SCALES[1],
-                **changed,
-            }
-
-        def explained(current: dict, values: Sequence[Any], **changed: Any) -> tuple[dict, dict]:
-            """``current`` with the explanation of its image for :func:`choices`, the last one
-            if it was for the same heads and class, else the model is run; and the choices."""
-            chosen = choices(values, **changed)
-            key = (tuple(chosen["heads_off"]), chosen["target"])
-            if current.get("key") != key:
-                e = explorer.explain(current["x"], chosen["heads_off"], chosen["target"])
-                current = {**current, "key": key, "explanation": e}
-            return current, chosen
-
-        def viewed(current: dict, values: Sequence[Any]) -> tuple[dict, View]:
-            """The session's state and its :class:`View` for the controls' values."""
-            current, chosen = explained(current, values)
-            x, e, source = current["x"], current["explanation"], current["source"]
-            return current, explorer.view(x, explanation=e, source=source, **chosen)
-
-        def show(current, *values) -> list[Any]:
-            """[state, *panels] for the session's image (None: unchanged) and the controls'
-            values."""
-            if current is None:
-                return [gr.skip()] * len(shown)
-            current, v = viewed(current, values)
-            return [current, *(getattr(v, name) for name in panels)]
-
-        def requery(current, *values, **changed) -> list[Any]:
-            """The query view's pictures from the session's explanation."""
-            if current is None:
-                return [gr.skip()] * len(queried)
-            current, chosen = explained(current, values, **changed)
-            kept = {k: chosen[k] for k in ("layer", "token", "matrix_head", "shared")}
-            return list(explorer.query(current["explanation"], current["x"], **kept))
-
-        def new_input(read):
-            """A handler that shows the new session state ``read(value)`` returns; None or
-            a bad input (a warning on the page) changes nothing."""
-
-            def handler(value, *values):
-                try:
-                    current = read(value)
-                except ValueError as e:
-                    gr.Warning(str(e))
-                    current = None
-                return show(current, *values)
-
-            return handler
-
-        def drawn(evt, current, *values):
-            """A stroke shows the drawing; a canvas cleared while the panels show the
-            drawing empties them."""
-            try:
-                sent = evt._data if isinstance(evt._data, dict) else {}  # what the canvas sent
-                x = explorer.from_sketch(sent.get("png"))
-            except ValueError as e:
-                gr.Warning(str(e))
-                return show(None)
-            if x is not None:
-                return show({"x": x, "source": DRAWING}, *values)
-            if current is not None and current["source"] == DRAWING:
-                return [None, *("" if name == "summary" else None for name in panels)]
-            return show(None)
-
-        def read_upload(path):
-            return {"x": explorer.from_file(path), "source": Path(path).name} if path else None
-
-        def read_test(i):
-            if i is None:
-                return None
-            x, label = explorer.from_test(int(i))
-            return {"x": x, "source": f"test image {int(i)} (label {names[label]})"}
-
-        def read_example(i):
-            if explorer.examples is None:
-                return None
-            label = names[int(explorer.examples[1][i])]
-            return {"x": explorer.examples[0][i : i + 1], "source": f"example {i} (label {label})"}
-
-        show_example = new_input(read_example)
-
-        # Gradio finds the event's data by the parameter's annotation, which must be the
-        # class itself (this module's annotations are strings).
-        def pick_example(evt, *values):
-            return show_example(evt.index, *values)
-
-        def first_example(*values):
-            # The page opens on the first example, not on empty panels.
-            return show_example(0, *values)
-
-        def click(current, evt, *values):
-            patch = explorer.token_at(*evt.index)
-            return [patch, *requery(current, *values, token=patch)]
-
-        def new_layer(current, *values):
-            heads = gr.update(choices=[("none", -1), *head_choices(int(values[2]))], value=-1)
-            return [heads, *requery(current, *values, matrix_head=None)]
-
-        def save_view(current, *values):
-            if current is None:
-                return "nothing to save yet"
-            current, v = viewed(current, values)
-            try:
-                path = explorer.save(v, current["x"])
-            except WriteError as e:
-                return f"not saved: {e}"
-            return f"saved: `{path}` and its settings, `{path.with_suffix('.json').name}`"
-
-        pick_example.__annotations__ = {"evt": gr.SelectData}
-        drawn.__annotations__ = {"evt": gr.EventData}
-        click.__annotations__ = {"evt": gr.SelectData}
-        # Files only as uploads: Gradio fetches a URL that an API request names as the
-        # file of an input; the upload refuses it before anything is fetched.
-        upload.async_move_resource_to_block_cache = _uploads_only(
-            gr, upload.async_move_resource_to_block_cache
-        )
-        # No spinner over the panels; and a change made while the last one is computed is
-        # shown after it (Gradio's default for these events drops it, leaving panels that
-        # do not match the controls).
-        quiet = {"show_progress": "hidden", "trigger_mode": "always_last"}
-        sketch.input(drawn, session, shown, **quiet)
-        upload.upload(
-            new_input(read_upload), [upload, *controls], shown, trigger_mode="always_last"
-        )
-        index.input(new_input(read_test), [index, *controls], shown, **quiet)
-        gallery.select(pick_example, controls, shown, **quiet)
-        page.load(first_example, controls, shown, **quiet)
-        for control in (target, scale, *switches):
-            control.input(show, session, shown, **quiet)
-        seen.select(click, session, [token, *queried], **quiet)
-        for control in (token, matrix_head):
-            control.input(requery, session, queried, **quiet)
-        layer.input(new_layer, session, [matrix_head, *queried], **quiet)
-        save.click(save_view, session, saved)
-    return page
-
-
-def _uploads_only(gr, move: Callable[[Any], Awaitable[str | None]]):
-    """``move`` (a component's ``async_move_resource_to_block_cache``), refusing a URL
-    with one line on the page, and none in the terminal."""
-    from gradio_client.utils import is_http_url_like
-
-    async def moved(url_or_path):
-        if url_or_path is not None and is_http_url_like(str(url_or_path)):
-            raise gr.Error(
-                "the explorer takes files as uploads only, not URLs", print_exception=False
-            )
-        return await move(url_or_path)
-
-    return moved
-
-
-def check_address(server_name: str, server_port: int | None) -> bool:
-    """Whether the page can be served at ``server_name`` and ``server_port`` (None: any
-    free port), tried by binding a socket there before Gradio does; returns whether the
-    address is a loopback one (reachable from this machine only).
-
-    Raises:
-        ConfigError: a name that does not resolve, an address that is not this machine's,
-            or a port that another program holds; the message names the value and the fix.
-    """
-    loopback = "server_name=127.0.0.1 (this machine only) or 0.0.0.0 (every network)"
-    if ":" in server_name:  # Gradio writes its own address without the brackets IPv6 needs
-        raise ConfigError(f"server_name={server_name}: an IPv6 address; use {loopback}")
-    try:
-        family, kind, _, _, address = socket.getaddrinfo(
-            server_name, server_port or 0, type=socket.SOCK_STREAM
-        )[0]
-    except (socket.gaierror, UnicodeError):
-        raise ConfigError(f"server_name={server_name} does not resolve; use {loopback}") from None
-    with socket.socket(family, kind) as probe:
-        # As uvicorn binds: a port left in TIME_WAIT by a page just closed is free.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise ConfigError(
-                    f"server_port={server_port} is taken by another program; choose another "
-                    "(server_port=7861) or leave it out for the first free port from 7860"
-                ) from None
-            if e.errno == errno.EADDRNOTAVAIL:
-                raise ConfigError(
-                    f"server_name={server_name} ({address[0]}) is not an address of this "
-                    f"machine; use {loopback}"
-                ) from None
-            raise ConfigError(
-                f"cannot serve on server_name={server_name} server_port={server_port}: "
-                f"{e.strerror}; use {loopback} and a port from 1024 up"
-            ) from None
-    return ipaddress.ip_address(address[0].split("%")[0]).is_loopback
-
-
-def launch(
-    page,
-    *,
-    server_name: str = "127.0.0.1",
-    server_port: int | None = None,
-    max_upload_mb: float = 10.0,
-) -> str:
-    """Start ``page`` in a background thread; returns its address (``http://host:port/``).
-
-    Telemetry off, Gradio's footer links (API, settings) off, uploads over
-    ``max_upload_mb`` refused, nothing served beyond Gradio's own cache of the pictures
-    (``allowed_paths`` stays empty).
-    """
-    gr = _gradio()
-    # System fonts only: Gradio's default theme asks Google Fonts, which an offline machine
-    # cannot reach (the page then waits on it).
-    theme = gr.themes.Default(
-        font=["ui-sans-serif", "system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"]
-    )
-    for attempt in range(LAUNCH_TRIES):
-        try:
-            _, url, _ = page.launch(
-                server_name=server_name,
-                server_port=server_port,
-                prevent_thread_lock=True,
-                quiet=True,
-                share=False,
-                max_file_size=int(max_upload_mb * 1024 * 1024),  # bytes
-                footer_links=[],
-                ssr_mode=False,
-                mcp_server=False,
-                theme=theme,
-            )
-            return url
-        except ValueError as e:
-            # Gradio asks its own new server for the page once, with a 3 s timeout, and
-            # gives up when a busy machine answers later: the server is closed and started
-            # again.
-            if "localhost is not accessible" not in str(e) or attempt == LAUNCH_TRIES - 1:
-                raise
-            log.warning("the page did not answer in time; starting it again")
-            page.close()
-
-
-@exit_on_user_error
-def main(cfg: DictConfig) -> None:
-    """The body of ``python scripts/explore.py ckpt_path=PATH``: start the page, print its
-    address, serve until Ctrl-C.
-
-    Raises:
-        CheckpointError: no or an unreadable checkpoint (exit status 2).
-        ConfigError: a bad setting, an unreadable ``heads_csv``, no Gradio, an address
-            the page cannot be served at (exit status 2).
-    """
-    if OmegaConf.is_missing(cfg, "ckpt_path"):
-        raise CheckpointError("ckpt_path is required: scripts/explore.py ckpt_path=PATH")
-    check_settings(cfg, ExploreSettings)
-    loopback = check_address(cfg.server_name, cfg.server_port)
-    # One image at a time: a second thread only waits on the first, and on a shared
-    # machine it competes with everything else for the cores.
-    torch.set_num_threads(1)
-    explorer = load_explorer(cfg)
-    explorer.run_dir = Path(cfg.paths.output_dir)
-    page = build_page(explorer)
-    # Gradio's requests to its own server are logged by httpx at INFO: not the user's news.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    url = launch(
-        page,
-        server_name=cfg.server_name,
-        server_port=cfg.server_port,
-        max_upload_mb=float(cfg.max_upload_mb),
-    )
-    print(f"explorer: {url} (Ctrl-C stops it)", flush=True)
-    if not loopback:
-        log.warning(
-            "server_name=%s: the page is open to every machine that can reach this one on "
-            "port %s, without a password; server_name=127.0.0.1 keeps it to this machine",
-            cfg.server_name,
-            urlsplit(url).port,
-        )
-    try:
-        page.block_thread()
-    finally:
-        page.close()
