@@ -167,7 +167,7 @@ def test_every_trainer_of_an_evaluation_runs_on_the_resolved_device(
 ):
     """The heads analysis' quiet trainer takes the device the test loop resolved, not
     ``trainer.accelerator`` as written (with ``auto``, Lightning could pick MPS for it)."""
-    import vit_mnist.tasks.evaluate as evaluate_module
+    import vit_mnist.tasks.evaluate.report as evaluate_module
 
     # "gpu" as written: a trainer built from it raises on this machine, which has none.
     monkeypatch.setattr(evaluate_module, "resolve_accelerator", lambda accelerator: "cpu")
@@ -246,7 +246,7 @@ def test_circuits_analysis(synthetic_ckpt, tmp_path):
 def test_circuits_with_no_pair_to_patch_writes_the_header(synthetic_ckpt, tmp_path, monkeypatch):
     """No correctly classified image of a pair's classes: a warning, and a patching file of
     its header alone (it raised IndexError)."""
-    import vit_mnist.tasks.evaluate as evaluate_module
+    import vit_mnist.tasks.evaluate.analyses as evaluate_module
 
     real = evaluate_module.logit_lens
 
@@ -506,7 +506,7 @@ def test_a_stop_while_eval_draws_is_one_line_naming_what_is_complete(
     import signal
 
     from vit_mnist import cli
-    from vit_mnist import evaluate as evaluate_module
+    from vit_mnist.tasks.evaluate import analyses as evaluate_module
 
     def stopped_while_drawing(*args, **kwargs):
         os.kill(os.getpid(), getattr(signal, sig))

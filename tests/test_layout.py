@@ -25,6 +25,8 @@ LAYERS: list[str] = [
     "vit_mnist.tasks.explore.session",
     "vit_mnist.tasks.predict",
     "vit_mnist.tasks.evaluate",
+    "vit_mnist.tasks.evaluate.report",
+    "vit_mnist.tasks.evaluate.analyses",
     "vit_mnist.tasks.train",
     "vit_mnist.tasks.export",
     # the training run's parts
@@ -266,8 +268,7 @@ NOT_YET_SPLIT = {
     "vit_mnist/analysis/explain.py explain_image": 86,
     "vit_mnist/analysis/heads.py gradient_head_importance": 82,
     "vit_mnist/analysis/pruning.py prune_iteratively": 85,
-    "vit_mnist/tasks/evaluate.py evaluate": 166,
-    "vit_mnist/tasks/evaluate.py analyse_pruning": 86,
+    "vit_mnist/tasks/evaluate/analyses.py analyse_pruning": 86,
     "vit_mnist/tasks/predict.py main": 116,
 }
 
