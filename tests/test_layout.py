@@ -261,28 +261,9 @@ def long_functions(paths: list[Path] | None = None) -> list[str]:
     return found
 
 
-# The functions over the limit when the rule came (issue 100), each still to be split: the
-# list may only shrink. A new long function, or one of these grown longer, fails.
-NOT_YET_SPLIT = {
-    "vit_mnist/analysis/attention.py attention_report": 97,
-    "vit_mnist/analysis/explain.py explain_image": 86,
-    "vit_mnist/analysis/heads.py gradient_head_importance": 82,
-    "vit_mnist/analysis/pruning.py prune_iteratively": 85,
-    "vit_mnist/tasks/evaluate/analyses.py analyse_pruning": 86,
-    "vit_mnist/tasks/predict.py main": 116,
-}
-
-
 def test_no_function_is_longer_than_a_reader_can_hold():
-    found = {}
-    for entry in long_functions():
-        where, lines = entry.rsplit(" (", 1)
-        path, name = where.split(" ", 1)
-        found[f"{path.split(':')[0]} {name}"] = int(lines.rstrip(")"))
-    new = {k: v for k, v in found.items() if v > NOT_YET_SPLIT.get(k, MAX_FUNCTION_LINES)}
-    assert not new, f"functions over {MAX_FUNCTION_LINES} lines: {new}"
-    split = sorted(set(NOT_YET_SPLIT) - set(found))
-    assert not split, f"split already: take them out of NOT_YET_SPLIT: {split}"
+    found = long_functions()
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines: {found}"
 
 
 def test_the_length_check_counts_the_docstring(tmp_path):

@@ -189,6 +189,68 @@ class AttentionReport:
 
 
 @torch.no_grad()
+def _column_labels(
+    labels: Sequence[int | str] | torch.Tensor | None,
+    preds: list[int],
+    class_names: Sequence[str] | None,
+) -> list[str]:
+    """``true>predicted`` per image (the prediction alone without ``labels``), integer
+    classes by their names in ``class_names``."""
+
+    def name(v: int | str) -> str:
+        v = int(v) if isinstance(v, torch.Tensor) else v
+        return class_names[v] if class_names is not None and isinstance(v, int) else str(v)
+
+    given = labels.tolist() if isinstance(labels, torch.Tensor) else labels
+    return [
+        f"{name(given[i])}>{name(p)}" if given is not None else name(p) for i, p in enumerate(preds)
+    ]
+
+
+def _layer_grid(
+    images: torch.Tensor, w: torch.Tensor, grid: int, col_labels: list[str], layer: int, zoom: int
+) -> torch.Tensor:
+    """One layer's picture: a row per head (and per prefix token: CLS, then a distilled
+    model's distillation token) of its attention over each image of ``images``
+    (N, C, H, W), from the weights ``w`` (N, heads, tokens, tokens); (3, H', W') uint8."""
+    n, heads = images.shape[0], w.shape[1]
+    prefix = w.shape[-1] - grid**2
+    maps = torch.cat([cls_attention(w, grid, t) for t in range(prefix)], dim=1)
+    tiles = rearrange(
+        overlay(images.repeat_interleave(prefix * heads, 0), maps.flatten(0, 1)),
+        "(n h) c y x -> h n c y x",
+        n=n,
+    )
+    row_labels = [f"{name}head {h}" for name in ("", "dist. ")[:prefix] for h in range(heads)]
+    whose = "CLS" if prefix == 1 else "CLS and distillation token"
+    title = f"layer {layer}: {whose} attention per head (true>predicted)"
+    return labelled_grid(
+        tiles, row_labels=row_labels, col_labels=col_labels, title=title, zoom=zoom
+    )
+
+
+def _rollout_grid(
+    images: torch.Tensor,
+    weights: list[torch.Tensor],
+    grid: int,
+    relevance: torch.Tensor | None,
+    col_labels: list[str],
+    zoom: int,
+) -> torch.Tensor:
+    """The attention rollout of each image, and under it its class relevance when given
+    (N, grid, grid); (3, H', W') uint8."""
+    rollout_maps = cls_attention(attention_rollout(weights), grid)  # (N, g, g)
+    rows, row_labels = [overlay(images, rollout_maps)], ["rollout"]
+    title = "attention rollout (Abnar and Zuidema 2020), true>predicted"
+    if relevance is not None:
+        rows.append(overlay(images, relevance))
+        row_labels.append("relevance")
+        title = "rollout and relevance of the predicted class (Chefer et al. 2021), true>predicted"
+    return labelled_grid(
+        torch.stack(rows), row_labels=row_labels, col_labels=col_labels, title=title, zoom=zoom
+    )
+
+
 def attention_report(
     model: VisionTransformer,
     images: torch.Tensor,
@@ -234,17 +296,7 @@ def attention_report(
     preds = logits.argmax(dim=-1).cpu().tolist()
     grid, patch = model.patch_embed.grid_size, model.patch_embed.patch_size
     images = images.float().cpu()
-    n = images.shape[0]
-
-    def name(v: int | str) -> str:
-        v = int(v) if isinstance(v, torch.Tensor) else v
-        return class_names[v] if class_names is not None and isinstance(v, int) else str(v)
-
-    label_list = labels.tolist() if isinstance(labels, torch.Tensor) else labels
-    col_labels = [
-        f"{name(label_list[i])}>{name(preds[i])}" if label_list is not None else name(preds[i])
-        for i in range(n)
-    ]
+    col_labels = _column_labels(labels, preds, class_names)
     report = AttentionReport(weights=weights, logits=logits.float().cpu())
     for layer, w in enumerate(weights):
         report.entropy.append(attention_entropy(w))
@@ -252,21 +304,7 @@ def attention_report(
         if not pictures:
             continue
         heads = w.shape[1]
-        # The CLS token's rows, then (a distilled model) the distillation token's.
-        prefix = w.shape[-1] - grid**2
-        maps = torch.cat([cls_attention(w, grid, t) for t in range(prefix)], dim=1)
-        tiles = rearrange(
-            overlay(images.repeat_interleave(prefix * heads, 0), maps.flatten(0, 1)),
-            "(n h) c y x -> h n c y x",
-            n=n,
-        )
-        row_labels = [f"{name}head {h}" for name in ("", "dist. ")[:prefix] for h in range(heads)]
-        whose = "CLS" if prefix == 1 else "CLS and distillation token"
-        title = f"layer {layer}: {whose} attention per head (true>predicted)"
-        grid_picture = labelled_grid(
-            tiles, row_labels=row_labels, col_labels=col_labels, title=title, zoom=zoom
-        )
-        report.layer_grids.append(grid_picture)
+        report.layer_grids.append(_layer_grid(images, w, grid, col_labels, layer, zoom))
         report.matrices.append(
             [(colorize(w[0, h][None])[0] * 255).round().to(torch.uint8) for h in range(heads)]
         )
@@ -275,14 +313,5 @@ def attention_report(
         report.relevance, _ = class_relevance(model, images, logits.argmax(dim=-1).cpu())
     if not pictures:
         return report
-    rollout_maps = cls_attention(attention_rollout(weights), grid)  # (N, g, g)
-    rows, row_labels = [overlay(images, rollout_maps)], ["rollout"]
-    title = "attention rollout (Abnar and Zuidema 2020), true>predicted"
-    if relevance:
-        rows.append(overlay(images, report.relevance))
-        row_labels.append("relevance")
-        title = "rollout and relevance of the predicted class (Chefer et al. 2021), true>predicted"
-    report.rollout = labelled_grid(
-        torch.stack(rows), row_labels=row_labels, col_labels=col_labels, title=title, zoom=zoom
-    )
+    report.rollout = _rollout_grid(images, weights, grid, report.relevance, col_labels, zoom)
     return report

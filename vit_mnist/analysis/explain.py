@@ -97,6 +97,22 @@ class ImageExplanation:
         return cls_attention(self.weights[layer], self.grid_size, token)
 
 
+def _one_image(model: VisionTransformer, image: torch.Tensor, target: int | None) -> torch.Tensor:
+    """``image`` as a batch of one (1, C, H, W), checked with ``model`` and ``target`` for
+    :func:`explain_image`, which raises what this raises."""
+    x = image if image.ndim == 4 else image[None]
+    if x.shape[0] != 1:
+        raise ValueError(f"explain_image takes one image; got a batch of {x.shape[0]}")
+    if model.training:
+        raise ValueError("explain_image needs the model in eval mode: call model.eval() first")
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("explain_image needs gradients; call it outside torch.inference_mode")
+    classes = model.head.out_features
+    if target is not None and not 0 <= target < classes:
+        raise ValueError(f"target class {target} is outside 0..{classes - 1}")
+    return x
+
+
 def explain_image(
     model: VisionTransformer,
     image: torch.Tensor,
@@ -135,18 +151,9 @@ def explain_image(
             or a target class outside the model's classes.
         RuntimeError: called inside :func:`torch.inference_mode` (relevance needs gradients).
     """
-    x = image if image.ndim == 4 else image[None]
-    if x.shape[0] != 1:
-        raise ValueError(f"explain_image takes one image; got a batch of {x.shape[0]}")
-    if model.training:
-        raise ValueError("explain_image needs the model in eval mode: call model.eval() first")
-    if torch.is_inference_mode_enabled():
-        raise RuntimeError("explain_image needs gradients; call it outside torch.inference_mode")
+    x = _one_image(model, image, target)
     heads_off = sorted(set(heads_off))
     mask = head_mask(model, heads_off)[None]
-    classes = model.head.out_features
-    if target is not None and not 0 <= target < classes:
-        raise ValueError(f"target class {target} is outside 0..{classes - 1}")
     parameter = next(model.parameters())
     if heads_off:  # row 0 with the heads off, row 1 with every head on
         mask = torch.cat([mask, torch.ones_like(mask)])

@@ -70,6 +70,32 @@ def heads_switched_off(model: VisionTransformer, heads: Iterable[tuple[int, int]
     return heads_gated(model, head_mask(model, heads))
 
 
+def _gate_gradients(
+    model: VisionTransformer,
+    gate: torch.Tensor,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, int]:
+    """``sum_b n_b |dL_b/d gate|`` (float64, the shape of ``gate``) over ``batches`` and the
+    number of images, with the heads gated by ``gate`` (on the model's device, in its
+    dtype), in eval mode and without autocast, for :func:`gradient_head_importance`."""
+    total = torch.zeros(gate.shape, dtype=torch.float64, device=gate.device)
+    count = 0
+    with (
+        heads_gated(model, gate),
+        evaluating(model),
+        torch.enable_grad(),
+        torch.autocast(gate.device.type, enabled=False),
+    ):
+        for images, labels in batches:
+            x = images.to(gate.device, gate.dtype)
+            y = labels.to(gate.device)
+            loss = F.cross_entropy(model(x).float(), y)  # the batch's mean loss L_b
+            (grad,) = torch.autograd.grad(loss, gate)
+            total += grad.abs().double() * len(y)
+            count += len(y)
+    return total, count
+
+
 def gradient_head_importance(
     model: VisionTransformer,
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
@@ -131,22 +157,8 @@ def gradient_head_importance(
     model.to(device)
     gate = torch.ones(shape) if mask is None else mask.detach().clone()
     gate = gate.to(device, dtype).requires_grad_(True)
-    total = torch.zeros(shape, dtype=torch.float64, device=device)
-    count = 0
     try:
-        with (
-            heads_gated(model, gate),
-            evaluating(model),
-            torch.enable_grad(),
-            torch.autocast(device.type, enabled=False),
-        ):
-            for images, labels in batches:
-                x = images.to(device, dtype)
-                y = labels.to(device)
-                loss = F.cross_entropy(model(x).float(), y)  # the batch's mean loss L_b
-                (grad,) = torch.autograd.grad(loss, gate)
-                total += grad.abs().double() * len(y)
-                count += len(y)
+        total, count = _gate_gradients(model, gate, batches)
     finally:
         model.to(home)
     if count == 0:

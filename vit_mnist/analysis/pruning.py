@@ -83,6 +83,20 @@ def _normalise_by_layer(importance: torch.Tensor, mask: torch.Tensor) -> torch.T
     return kept / kept.norm(dim=1, keepdim=True).clamp_min(1e-12)
 
 
+def _least_important(importance: torch.Tensor, mask: torch.Tensor, n: int) -> list[Head]:
+    """The ``n`` heads of lowest ``importance`` (depth, heads) still in ``mask`` (1: kept),
+    lowest first, never a block's last head; ``mask`` is updated to 0 for them."""
+    chosen: list[Head] = []
+    for flat in importance.flatten().argsort(stable=True).tolist():
+        layer, head = divmod(flat, mask.shape[1])
+        if len(chosen) == n:
+            break
+        if mask[layer, head] == 1 and mask[layer].sum() > 1:
+            mask[layer, head] = 0
+            chosen.append((layer, head))
+    return chosen
+
+
 def prune_iteratively(
     model: VisionTransformer,
     model_args: Mapping[str, Any],
@@ -157,15 +171,7 @@ def prune_iteratively(
         importance = gradient_head_importance(model, importance_batches, device=device, mask=mask)
         if normalise:
             importance = _normalise_by_layer(importance, mask)
-        step_removed = []
-        # Lowest first; a head is skipped when its block has only it left.
-        for flat in importance.flatten().argsort(stable=True).tolist():
-            layer, head = divmod(flat, heads)
-            if len(step_removed) == min(per_step, target - len(removed)):
-                break
-            if mask[layer, head] == 1 and mask[layer].sum() > 1:
-                mask[layer, head] = 0
-                step_removed.append((layer, head))
+        step_removed = _least_important(importance, mask, min(per_step, target - len(removed)))
         removed += step_removed
         pruned, args = prune_heads(model, model_args, removed)
 

@@ -332,6 +332,103 @@ class _Interrupts:
             raise KeyboardInterrupt
 
 
+def _check_settings(cfg: DictConfig) -> None:
+    """The settings, and that the run dir holds no ``predictions.csv`` but with ``resume``.
+
+    Raises:
+        CheckpointError: no ``ckpt_path``.
+        ConfigError: no ``images``, a setting the schema refuses, or the CSV exists.
+    """
+    if OmegaConf.is_missing(cfg, "ckpt_path"):
+        raise CheckpointError(
+            "ckpt_path is required: scripts/predict.py ckpt_path=PATH images=[a.png]"
+        )
+    if OmegaConf.is_missing(cfg, "images") or not cfg.images:
+        raise ConfigError(
+            "images is required: scripts/predict.py ckpt_path=PATH images=[a.png,b.jpg] "
+            "(or images=my_digits/ for a folder)"
+        )
+    check_settings(cfg, PredictSettings)
+    csv_path = Path(cfg.paths.output_dir) / CSV_NAME
+    if csv_path.exists() and not cfg.resume:
+        raise ConfigError(
+            f"{csv_path} exists already: add resume=true to predict only the files not in it, "
+            "or leave hydra.run.dir out for a new run dir"
+        )
+
+
+def _collected(images: Any) -> tuple[list[Path], list[tuple[str, str]]]:
+    """:func:`collect_images` of the ``images`` setting.
+
+    Raises:
+        ConfigError: it names no image at all; the line says why for each value.
+    """
+    paths, problems = collect_images(images)
+    if not paths:
+        found_nothing = "; ".join(f"{spec}: {reason}" for spec, reason in problems)
+        raise ConfigError(
+            f"images names no image: {found_nothing}; give files, folders of "
+            "PNG/JPEG/BMP/WebP images or patterns, e.g. images=my_digits/ or "
+            "images=[a.png,scans/7.jpg] or \"images='scans/**/*.png'\""
+        )
+    return paths, problems
+
+
+def _append_rows(
+    batches: Iterable[list[Prediction]], csv_path: Path, *, kept: int, total: int
+) -> list[Prediction]:
+    """Each batch appended to ``csv_path`` whole, a signal waiting for the batch being
+    written; returns the predictions appended.
+
+    Raises:
+        SystemExit(130 or 143): Ctrl-C or SIGTERM, after a line saying how many of the
+            images are in the CSV (``kept`` of ``total`` were there before) and how to go on.
+    """
+    results: list[Prediction] = []
+    interrupts = _Interrupts()
+    try:
+        with interrupts:
+            for batch in batches:
+                with interrupts.held():
+                    append_csv_rows(csv_path, csv_rows(batch), CSV_COLUMNS)
+                    results += batch
+    except KeyboardInterrupt:
+        what = "SIGTERM" if interrupts.signum == signal.SIGTERM else "Ctrl-C"
+        out_dir = csv_path.parent
+        print(
+            f"\nInterrupted ({what}): {kept + len(results)} of {total} images are "
+            f"in {csv_path}; to predict the rest, run the same command with resume=true "
+            f"{shlex.quote(f'hydra.run.dir={out_dir}')}",
+            file=sys.stderr,
+        )
+        raise SystemExit(128 + (interrupts.signum or signal.SIGINT)) from None
+    return results
+
+
+def _print_results(
+    results: list[Prediction], rows: list[dict[str, str]], earlier: int, out_dir: Path
+) -> None:
+    """One line per image of this run, or for more than :data:`LIST_AT_MOST` rows in the
+    CSV (``earlier`` of them by an earlier run) a summary; a failed file has its line."""
+    for r in results:
+        if r.error:
+            print(f"{printable_path(r.path)}: cannot be read ({r.error})")
+        elif len(rows) <= LIST_AT_MOST:
+            top = "  ".join(f"{name} ({100 * p:.1f}%)" for name, p in r.top)
+            picture = f"   -> {printable_path(r.picture)}" if r.picture else ""
+            print(f"{printable_path(r.path)}: {top}{picture}")
+    if len(rows) > LIST_AT_MOST:
+        n_failed = sum(bool(row["error"]) for row in rows)
+        counts = Counter(row["predicted"] for row in rows if row["predicted"])
+        classes = ", ".join(f"{name}: {n}" for name, n in sorted(counts.items()))
+        drawn = sum(bool(row["attention"]) for row in rows)
+        print(
+            f"{len(rows) - n_failed} of {len(rows)} images predicted (classes {classes}"
+            + (f"; {earlier} of them by the earlier run" if earlier else "")
+            + f"); attention pictures of {drawn} in {out_dir}"
+        )
+
+
 @exit_on_user_error
 def main(cfg: DictConfig) -> list[Prediction]:
     """The body of ``python scripts/predict.py ckpt_path=PATH images=...``.
@@ -359,33 +456,12 @@ def main(cfg: DictConfig) -> list[Prediction]:
             others were predicted and all are in the CSV.
         SystemExit(130 or 143): interrupted; the finished rows are kept.
     """
-    if OmegaConf.is_missing(cfg, "ckpt_path"):
-        raise CheckpointError(
-            "ckpt_path is required: scripts/predict.py ckpt_path=PATH images=[a.png]"
-        )
-    if OmegaConf.is_missing(cfg, "images") or not cfg.images:
-        raise ConfigError(
-            "images is required: scripts/predict.py ckpt_path=PATH images=[a.png,b.jpg] "
-            "(or images=my_digits/ for a folder)"
-        )
-    check_settings(cfg, PredictSettings)
+    _check_settings(cfg)
     out_dir = Path(cfg.paths.output_dir)
     csv_path = out_dir / CSV_NAME
-    if csv_path.exists() and not cfg.resume:
-        raise ConfigError(
-            f"{csv_path} exists already: add resume=true to predict only the files not in it, "
-            "or leave hydra.run.dir out for a new run dir"
-        )
     # The checkpoint first: a wrong ckpt_path is reported even when images are wrong too.
     module, data = load_model(resolve_ckpt_path(cfg))
-    paths, problems = collect_images(cfg.images)
-    if not paths:
-        found_nothing = "; ".join(f"{spec}: {reason}" for spec, reason in problems)
-        raise ConfigError(
-            f"images names no image: {found_nothing}; give files, folders of "
-            "PNG/JPEG/BMP/WebP images or patterns, e.g. images=my_digits/ or "
-            "images=[a.png,scans/7.jpg] or \"images='scans/**/*.png'\""
-        )
+    paths, problems = _collected(cfg.images)
     done = read_done_rows(csv_path) if csv_path.exists() else {}
     todo = [i for i, path in enumerate(paths) if printable_path(path) not in done]
     if cfg.resume:
@@ -408,43 +484,16 @@ def main(cfg: DictConfig) -> list[Prediction]:
         for spec, reason in problems
         if printable_path(Path(spec)) not in done
     ]
-    results: list[Prediction] = []
-    interrupts = _Interrupts()
-    try:
-        with interrupts:
-            for batch in chain(batches, [unfound] if unfound else []):
-                with interrupts.held():
-                    append_csv_rows(csv_path, csv_rows(batch), CSV_COLUMNS)
-                    results += batch
-    except KeyboardInterrupt:
-        kept = len(paths) - len(todo) + len(results)
-        what = "SIGTERM" if interrupts.signum == signal.SIGTERM else "Ctrl-C"
-        print(
-            f"\nInterrupted ({what}): {kept} of {len(paths)} images are in {csv_path}; "
-            f"to predict the rest, run the same command with resume=true "
-            f"{shlex.quote(f'hydra.run.dir={out_dir}')}",
-            file=sys.stderr,
-        )
-        raise SystemExit(128 + (interrupts.signum or signal.SIGINT)) from None
+    results = _append_rows(
+        chain(batches, [unfound] if unfound else []),
+        csv_path,
+        kept=len(paths) - len(todo),
+        total=len(paths),
+    )
     # Every row of the CSV, the earlier run's and this one's, for the counts.
     rows = [*done.values(), *csv_rows(results)]
     n_failed = sum(bool(row["error"]) for row in rows)
-    for r in results:
-        if r.error:
-            print(f"{printable_path(r.path)}: cannot be read ({r.error})")
-        elif len(rows) <= LIST_AT_MOST:
-            top = "  ".join(f"{name} ({100 * p:.1f}%)" for name, p in r.top)
-            picture = f"   -> {printable_path(r.picture)}" if r.picture else ""
-            print(f"{printable_path(r.path)}: {top}{picture}")
-    if len(rows) > LIST_AT_MOST:
-        counts = Counter(row["predicted"] for row in rows if row["predicted"])
-        classes = ", ".join(f"{name}: {n}" for name, n in sorted(counts.items()))
-        drawn = sum(bool(row["attention"]) for row in rows)
-        print(
-            f"{len(rows) - n_failed} of {len(rows)} images predicted (classes {classes}"
-            + (f"; {len(done)} of them by the earlier run" if done else "")
-            + f"); attention pictures of {drawn} in {out_dir}"
-        )
+    _print_results(results, rows, len(done), out_dir)
     print(f"predictions: {csv_path}" + (f" ({n_failed} failed)" if n_failed else ""))
     if n_failed:
         raise SystemExit(1)

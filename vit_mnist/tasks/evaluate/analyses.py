@@ -198,6 +198,39 @@ def analyse_roles(trainer: L.Trainer, run: EvalRun, pixels: torch.Tensor) -> lis
     return rows
 
 
+def _save_pruned(
+    path: Path, ckpt: dict[str, Any], pruned: ViTClassifier, args: dict, rows: list[dict]
+) -> None:
+    """``pruned``'s checkpoint, written whole: Lightning's own keys and the run info of the
+    unpruned ``ckpt``, the pruned weights and model arguments ``args``, and the heads each
+    step of ``rows`` removed; no optimizer, scheduler or loop state, which belong to the
+    unpruned model's training."""
+    lightning = ("epoch", "global_step", "pytorch-lightning_version")
+    saved = {
+        **{k: ckpt[k] for k in lightning if k in ckpt},
+        "state_dict": pruned.state_dict(),
+        "hparams_name": ckpt.get("hparams_name", "kwargs"),
+        "hyper_parameters": {**ckpt["hyper_parameters"], "model": args},
+        RUN_INFO_KEY: dict(ckpt.get(RUN_INFO_KEY, {})),
+        "pruned_heads": [r["removed"] for r in rows[1:]],
+    }
+    AtomicCheckpointIO().save_checkpoint(saved, path)
+
+
+def _print_pruning(rows: list[dict], args: dict, count: int, count_pruned: int) -> None:
+    """The terminal summary of :func:`analyse_pruning`."""
+    print(f"{'step':>4} {'removed':>7} {'fraction':>8} {'acc':>7} {'loss':>7}  heads removed")
+    for r in rows:
+        print(
+            f"{r['step']:>4} {r['heads_removed']:>7} {100 * r['fraction_removed']:7.1f}% "
+            f"{100 * r['test_acc']:6.2f}% {r['test_loss']:7.4f}  {r['removed']}"
+        )
+    print(
+        f"pruned.ckpt: heads per block {args['num_heads']}, "
+        f"{count_pruned:,} of {count:,} parameters"
+    )
+
+
 def analyse_pruning(
     trainer: L.Trainer, run: EvalRun, ckpt: dict[str, Any], datamodule, settings
 ) -> dict[str, Any]:
@@ -243,18 +276,7 @@ def analyse_pruning(
         device=trainer.strategy.root_device,
     )
     write_csv(out / "pruning.csv", rows)
-    # Lightning's own keys and the run info, the pruned weights and arguments; no optimizer,
-    # scheduler or loop state: those belong to the unpruned model's training.
-    lightning = ("epoch", "global_step", "pytorch-lightning_version")
-    saved = {
-        **{k: ckpt[k] for k in lightning if k in ckpt},
-        "state_dict": build(net, args).state_dict(),
-        "hparams_name": ckpt.get("hparams_name", "kwargs"),
-        "hyper_parameters": {**ckpt["hyper_parameters"], "model": args},
-        RUN_INFO_KEY: dict(ckpt.get(RUN_INFO_KEY, {})),
-        "pruned_heads": [r["removed"] for r in rows[1:]],
-    }
-    AtomicCheckpointIO().save_checkpoint(saved, out / "pruned.ckpt")
+    _save_pruned(out / "pruned.ckpt", ckpt, build(net, args), args, rows)
     count = sum(p.numel() for p in module.net.parameters())
     count_pruned = sum(p.numel() for p in net.parameters())
     metrics = {
@@ -272,16 +294,7 @@ def analyse_pruning(
     for r in rows:
         run.scalars({"pruning/test_acc": r["test_acc"]}, step=r["heads_removed"])
     run.publish(pruning_figure(rows, title), "pruning")
-    print(f"{'step':>4} {'removed':>7} {'fraction':>8} {'acc':>7} {'loss':>7}  heads removed")
-    for r in rows:
-        print(
-            f"{r['step']:>4} {r['heads_removed']:>7} {100 * r['fraction_removed']:7.1f}% "
-            f"{100 * r['test_acc']:6.2f}% {r['test_loss']:7.4f}  {r['removed']}"
-        )
-    print(
-        f"pruned.ckpt: heads per block {args['num_heads']}, "
-        f"{count_pruned:,} of {count:,} parameters"
-    )
+    _print_pruning(rows, args, count, count_pruned)
     # acc_at_<pct>: left out when no step removed that share
     return {k: v for k, v in metrics.items() if v is not None}
 
