@@ -164,26 +164,62 @@ def test_the_built_sections_are_the_constructors_arguments():
 
 
 def test_a_new_constructor_argument_is_a_setting_with_no_edit_here(tmp_path, monkeypatch):
-    """A model argument is written once, in its class: the schema reads it from there."""
+    """A model argument is written once, in its class: the schema reads it from there, a
+    run's config takes it as ``+model.KEY=VALUE``, checked, and build_model passes it on."""
+    from pydantic import create_model
+
     from vit_mnist import settings
+    from vit_mnist.models import build_model
 
     package = tmp_path / "newer"
     package.mkdir()
     (package / "__init__.py").write_text("")
     source = (ROOT / "vit_mnist/models/vit.py").read_text()
-    assert "        stem: str = " in source
-    source = source.replace(
-        "        stem: str = ", "        register_tokens: int = 0,\n" + " " * 8 + "stem: str = "
-    )
-    (package / "vit.py").write_text(source)
+    stem = "        stem: str = "
+    assert source.count(stem) == 1
+    added = source.replace(stem, "        register_tokens: int = 0,\n" + stem)
+    (package / "vit.py").write_text(added)
     monkeypatch.syspath_prepend(str(tmp_path))
-    built = settings.built_from("Newer", ["newer.vit.VisionTransformer"], settings.MODEL_RANGES)
-    assert "register_tokens" in built.model_fields
+    monkeypatch.setitem(settings.MODEL_CLASSES, "vit", "newer.vit.VisionTransformer")
+    classes, ranges = settings.MODEL_CLASSES.values(), settings.MODEL_RANGES
+    newer = settings.built_from("ModelSettings", classes, ranges)
+    schema = create_model("Train", __base__=settings.TrainSettings, model=(newer, None))
+    cfg = composed("train", ("data=synthetic",))
+    given = copy.deepcopy(cfg)
+    OmegaConf.update(given, "model.register_tokens", 4, force_add=True)
+    assert check_settings(given, schema)["model"]["register_tokens"] == 4
+    OmegaConf.update(given, "model.register_tokens", "four", force_add=True)
     with pytest.raises(ConfigError, match=r"model.register_tokens=four"):
-        settings.check_arguments(built, {"register_tokens": "four"}, prefix="model.")
-    settings.check_arguments(built, {"register_tokens": 4}, prefix="model.")
+        check_settings(given, schema)
+    model_args = {**OmegaConf.to_container(cfg.model), "register_tokens": 4}
+    assert type(build_model(model_args)).__module__ == "newer.vit"
     # A range left behind by a renamed argument is an error in the schema, said at import.
     with pytest.raises(LookupError, match="num_registers"):
-        settings.built_from(
-            "Stray", ["newer.vit.VisionTransformer"], {"num_registers": settings._f(ge=0)}
-        )
+        settings.built_from("Stray", ["newer.vit.VisionTransformer"], {"num_registers": 1})
+
+
+def test_the_settings_and_the_teacher_are_checked_once_per_run(tmp_path, monkeypatch, capsys):
+    """The command line checks the schema before the imports; the run's checks
+    (vit_mnist/training/checks.py) neither repeat it nor check the teacher twice."""
+    from tests.conftest import ONE_EPOCH, TINY_MODEL
+    from tests.helpers import in_process
+    from vit_mnist import settings
+    from vit_mnist.training import checks
+
+    schema_checks, teacher_checks = [], []
+    check_arguments, check_teacher = settings.check_arguments, checks.check_teacher
+
+    def counted_arguments(section, values, prefix=""):
+        schema_checks.append(section) if section is settings.TrainSettings else None
+        return check_arguments(section, values, prefix)
+
+    def counted_teacher(*args, **kwargs):
+        teacher_checks.append(args)
+        return check_teacher(*args, **kwargs)
+
+    monkeypatch.setattr(settings, "check_arguments", counted_arguments)
+    monkeypatch.setattr(checks, "check_teacher", counted_teacher)
+    run = f"hydra.run.dir={tmp_path / 'run'}"
+    code, _, err = in_process(monkeypatch, capsys, *ONE_EPOCH, *TINY_MODEL, run)
+    assert code == 0, err[-3000:]
+    assert len(schema_checks) == 1 and len(teacher_checks) == 1

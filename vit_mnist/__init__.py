@@ -49,7 +49,11 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, name, path=None, target=None):  # noqa: ANN001 - the finder protocol
         new = self.new_name(name)
-        return importlib.util.spec_from_loader(name, self) if new else None
+        # A name that is no module at its new place either (a class in a _target_, such as
+        # vit_mnist.callbacks.AttentionMapLogger) is not found under its old name.
+        if new is None or importlib.util.find_spec(new) is None:
+            return None
+        return importlib.util.spec_from_loader(name, self)
 
     def create_module(self, spec):  # noqa: ANN001
         return importlib.import_module(self.new_name(spec.name))

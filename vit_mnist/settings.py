@@ -3,14 +3,15 @@ any work.
 
 Each entry point's settings are a tree of pydantic (v2) models: a field's type, range
 (``Field(ge=..., lt=...)``), choices (``Literal``) and example (``Field(examples=[...])``)
-are written here once, and pydantic checks them, strictly (``"1"`` is not a number, ``1.5``
-not a whole number) and refusing undeclared keys. This module only turns pydantic's first
-error, told apart by its error ``type``, into the project's one line naming the key, the
-value and the fix, and adds what pydantic cannot know: the nearest declared key for an
-unknown one, and, for a section built by a library (with a ``_target_``), that every key is
-an argument of that class (``+trainer.gradient_clip_val=1.0`` passes, ``+trainer.
-gradient_clip=1.0`` does not). The defaults stay in ``configs/``: a key the config leaves
-out is not checked.
+are written here once (the model, module and data sections take their names and types from
+the constructors' signatures, :func:`built_from`), and pydantic checks them, strictly
+(``"1"`` is not a number, ``1.5`` not a whole number) and refusing undeclared keys. This
+module only turns pydantic's first error, told apart by its error ``type``, into the
+project's one line naming the key, the value and the fix, and adds what pydantic cannot
+know: the nearest declared key for an unknown one, and, for a section built by a library
+(with a ``_target_``), that every key is an argument of that class
+(``+trainer.gradient_clip_val=1.0`` passes, ``+trainer. gradient_clip=1.0`` does not). The
+defaults stay in ``configs/``: a key the config leaves out is not checked.
 
 Combinations that need more than one value or the machine (patch size against image size,
 heads against width, the model against the dataset, the batch against the dataset,
