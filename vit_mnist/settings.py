@@ -10,7 +10,7 @@ module only turns pydantic's first error, told apart by its error ``type``, into
 project's one line naming the key, the value and the fix, and adds what pydantic cannot
 know: the nearest declared key for an unknown one, and, for a section built by a library
 (with a ``_target_``), that every key is an argument of that class
-(``+trainer.gradient_clip_val=1.0`` passes, ``+trainer. gradient_clip=1.0`` does not). The
+(``+trainer.gradient_clip_val=1.0`` passes, ``+trainer.gradient_clip=1.0`` does not). The
 defaults stay in ``configs/``: a key the config leaves out is not checked.
 
 Combinations that need more than one value or the machine (patch size against image size,
