@@ -196,6 +196,8 @@ def test_a_new_constructor_argument_is_a_setting_with_no_edit_here(tmp_path, mon
     # A range left behind by a renamed argument is an error in the schema, said at import.
     with pytest.raises(LookupError, match="num_registers"):
         settings.built_from("Stray", ["newer.vit.VisionTransformer"], {"num_registers": 1})
+    with pytest.raises(LookupError, match="stem_kind"):  # a range that narrows the type too
+        settings.built_from("Stray", ["newer.vit.VisionTransformer"], {"stem_kind": (int, None)})
 
 
 def test_the_settings_and_the_teacher_are_checked_once_per_run(tmp_path, monkeypatch, capsys):

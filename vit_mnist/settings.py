@@ -200,6 +200,9 @@ DATA_MODULES = (
     "vit_mnist.data.synthetic.SyntheticDataModule",
 )
 
+# Settings of a built section that are no constructor's argument (model.arch chooses the
+# constructor): any other range without its argument is an error in the schema.
+NOT_ARGUMENTS = {"arch"}
 _Positive = list[Annotated[int, Field(ge=1)]] | None
 MODEL_RANGES: dict[str, Any] = {
     # Not a constructor argument: which constructor (build_model).
@@ -318,14 +321,14 @@ def built_from(
 
     Raises:
         LookupError: a range for an argument that none of ``targets`` takes (a renamed
-            argument whose range was left behind).
+            argument whose range was left behind), unless :data:`NOT_ARGUMENTS` names it.
     """
     signature: dict[str, Any] = {}
     for target in targets:
         for arg, annotation in constructor_arguments(target).items():
             if arg not in leave_out:
                 signature.setdefault(arg, annotation)
-    stray = [k for k, v in ranges.items() if k not in signature and not isinstance(v, tuple)]
+    stray = [k for k in ranges if k not in signature and k not in NOT_ARGUMENTS]
     if stray:
         raise LookupError(f"{name}: ranges for {stray}, which no constructor of {targets} takes")
     # A setting that is no argument (model.arch) first, then the signatures' order.
