@@ -27,6 +27,7 @@ LAYERS: list[str] = [
     "vit_mnist.tasks.evaluate",
     "vit_mnist.tasks.evaluate.report",
     "vit_mnist.tasks.evaluate.analyses",
+    "vit_mnist.tasks.evaluate.pruning",
     "vit_mnist.tasks.train",
     "vit_mnist.tasks.export",
     # the training run's parts

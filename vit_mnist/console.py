@@ -47,3 +47,13 @@ def quiet_console() -> None:
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_vendor_tip)
     for message, module in _IGNORED_WARNINGS:
         warnings.filterwarnings("ignore", message=message, module=module)
+
+
+def progress(total: int, description: str, *, enabled: bool = True):
+    """A progress bar of ``total`` steps on stderr, tqdm's (the one Lightning's
+    ``TQDMProgressBar`` draws in training): silent when stderr is not a terminal (a log
+    file, a test) or ``enabled`` is False (``trainer.enable_progress_bar=false``). Call
+    ``.update()`` per step and ``.close()`` at the end, or use it in a ``with``."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=description, disable=None if enabled else True, leave=False)

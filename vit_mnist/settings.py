@@ -52,6 +52,9 @@ SEARCH_METRICS = {"val/acc_best": "maximize", "val/acc": "maximize", "val/loss":
 MAX_TEST_TIME_SHIFT = 4
 # scripts/export.py's formats and the file suffix each writes.
 EXPORT_FORMATS = {"onnx": ".onnx", "torchscript": ".pt"}
+# ``eval.py analysis=prune``'s orders: what ranks the heads for removal (the measures of
+# vit_mnist.analysis.pruning.MEASURES, which reads them here).
+PRUNE_ORDERS = ("gradient", "ablation", "logit_attribution", "patching", "random")
 
 
 def _f(example: str | None = None, **bounds: float) -> Any:
@@ -78,6 +81,14 @@ def _is_count(v: Any, least: int = 1) -> bool:
 def Heads(v: Any) -> str | None:  # noqa: N802 - a type, named as one
     if not all(map(_is_count, v if isinstance(v, list) else [v])):
         return "must be a positive integer, or one per block such as [2, 4, 4, 8]"
+
+
+@_checked
+def PruneOrders(v: Any) -> str | None:  # noqa: N802
+    if not (isinstance(v, list) and v and all(o in PRUNE_ORDERS for o in v)) or len(set(v)) < len(
+        v
+    ):
+        return f"must be a list of distinct orders from {list(PRUNE_ORDERS)}"
 
 
 @_checked
@@ -437,12 +448,19 @@ class FaithfulnessSettings(Section):
 
 
 class PruneSettings(Section):
-    """``eval.py analysis=prune`` and :func:`vit_mnist.analysis.pruning.prune_iteratively`."""
+    """``eval.py analysis=prune``: :mod:`vit_mnist.analysis.pruning`."""
 
+    orders: PruneOrders = _f("prune.orders=[gradient,ablation]")
     step_fraction: float = _f("prune.step_fraction=0.1", gt=0, le=1)
     # Each block keeps one head, so all heads (1) can never be removed; 0 removes none.
     max_fraction: float = _f("prune.max_fraction=0.75", gt=0, lt=1)
     normalise: bool = _f()
+    # Validation accuracy points; 100 takes the last step whatever it costs.
+    max_drop: float = _f("prune.max_drop=0.5", ge=0, le=100)
+    num_images: int = _f("prune.num_images=2000", ge=1)
+    save_steps: bool = _f()
+    finetune_epochs: int = _f("prune.finetune_epochs=2", ge=0)
+    seed: int = _seed("prune.seed")
 
 
 class CircuitsSettings(Section):

@@ -40,7 +40,7 @@ from vit_mnist.analysis.heads import (
 from vit_mnist.analysis.logit_attribution import direct_logit_attribution
 from vit_mnist.analysis.logit_lens import logit_lens
 from vit_mnist.analysis.patching import activation_patching
-from vit_mnist.analysis.pruning import prune_heads, prune_iteratively
+from vit_mnist.analysis.pruning import prune_heads, prune_in_order
 from vit_mnist.analysis.relevance import class_relevance
 
 __all__ = [
@@ -64,5 +64,5 @@ __all__ = [
     "mean_attention_distance",
     "perturbation_test",
     "prune_heads",
-    "prune_iteratively",
+    "prune_in_order",
 ]

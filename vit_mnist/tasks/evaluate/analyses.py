@@ -1,6 +1,7 @@
 """The analyses ``eval.py analysis=...`` adds to a checkpoint's test: each reads an
 :class:`EvalRun` and writes its CSV, figures and TensorBoard events into the run dir, prints
-a summary and returns its metrics (heads, roles, prune, circuits, faithfulness)."""
+a summary and returns its metrics (heads, roles, circuits, faithfulness; prune has its
+own module, :mod:`vit_mnist.tasks.evaluate.pruning`)."""
 
 from __future__ import annotations
 
@@ -30,18 +31,11 @@ from vit_mnist.analysis.logit_attribution import (
 from vit_mnist.analysis.logit_lens import lens_figure, logit_lens
 from vit_mnist.analysis.patching import DIRECTIONS, activation_patching, patching_figures
 from vit_mnist.analysis.patching import ROW_COLUMNS as PATCHING_COLUMNS
-from vit_mnist.analysis.per_class import (
-    accuracy_and_loss,
-)
-from vit_mnist.analysis.pruning import accuracy_at, prune_iteratively, pruning_figure
 from vit_mnist.analysis.roles import ROLE_COLUMNS, head_roles, parts_figure, roles_figure
 from vit_mnist.errors import ConfigError
 from vit_mnist.io import save_figure, save_png, write_csv
 from vit_mnist.models.vit import VisionTransformer
-from vit_mnist.training.checkpointing import (
-    AtomicCheckpointIO,
-)
-from vit_mnist.training.module import RUN_INFO_KEY, ViTClassifier
+from vit_mnist.training.module import ViTClassifier
 
 log = logging.getLogger(__name__)
 
@@ -196,107 +190,6 @@ def analyse_roles(trainer: L.Trainer, run: EvalRun, pixels: torch.Tensor) -> lis
         "attended / uniform distance to the centre of ink mass)"
     )
     return rows
-
-
-def _save_pruned(
-    path: Path, ckpt: dict[str, Any], pruned: ViTClassifier, args: dict, rows: list[dict]
-) -> None:
-    """``pruned``'s checkpoint, written whole: Lightning's own keys and the run info of the
-    unpruned ``ckpt``, the pruned weights and model arguments ``args``, and the heads each
-    step of ``rows`` removed; no optimizer, scheduler or loop state, which belong to the
-    unpruned model's training."""
-    lightning = ("epoch", "global_step", "pytorch-lightning_version")
-    saved = {
-        **{k: ckpt[k] for k in lightning if k in ckpt},
-        "state_dict": pruned.state_dict(),
-        "hparams_name": ckpt.get("hparams_name", "kwargs"),
-        "hyper_parameters": {**ckpt["hyper_parameters"], "model": args},
-        RUN_INFO_KEY: dict(ckpt.get(RUN_INFO_KEY, {})),
-        "pruned_heads": [r["removed"] for r in rows[1:]],
-    }
-    AtomicCheckpointIO().save_checkpoint(saved, path)
-
-
-def _print_pruning(rows: list[dict], args: dict, count: int, count_pruned: int) -> None:
-    """The terminal summary of :func:`analyse_pruning`."""
-    print(f"{'step':>4} {'removed':>7} {'fraction':>8} {'acc':>7} {'loss':>7}  heads removed")
-    for r in rows:
-        print(
-            f"{r['step']:>4} {r['heads_removed']:>7} {100 * r['fraction_removed']:7.1f}% "
-            f"{100 * r['test_acc']:6.2f}% {r['test_loss']:7.4f}  {r['removed']}"
-        )
-    print(
-        f"pruned.ckpt: heads per block {args['num_heads']}, "
-        f"{count_pruned:,} of {count:,} parameters"
-    )
-
-
-def analyse_pruning(
-    trainer: L.Trainer, run: EvalRun, ckpt: dict[str, Any], datamodule, settings
-) -> dict[str, Any]:
-    """Head pruning (Michel et al. 2019, section 4): ``pruning.csv``, ``pruning.png``,
-    TensorBoard, and the last step's model as ``pruned.ckpt``.
-
-    The gradient head importance is taken on the validation set (so that nothing is
-    chosen on the test set) and the test accuracy and loss of each step's pruned model are
-    computed with ``trainer`` (see :func:`~vit_mnist.analysis.pruning.prune_iteratively`).
-    ``pruned.ckpt`` holds the pruned weights, the model arguments (``num_heads`` one count
-    per block, ``head_dim``) and the run info, so ``eval.py`` and ``predict.py`` load it
-    like any other; it has no optimizer state, so training cannot resume from it.
-
-    Returns:
-        ``pruning/acc_at_{0,25,50,75}pct`` (test accuracy of the first step with at least
-        that share of heads removed; left out when not reached), ``pruning/final_acc``,
-        ``pruning/final_fraction``, ``pruning/params`` and ``pruning/params_pruned``,
-        ``pruning/ckpt``.
-
-    Raises:
-        ConfigError: a ``prune.*`` value that ``PruneSettings`` refuses.
-    """
-    module, out = run.module, run.out
-    hparams = dict(module.hparams)
-
-    def build(net, args) -> ViTClassifier:
-        pruned = ViTClassifier(**{**hparams, "model": args})
-        pruned.net.load_state_dict(net.state_dict())
-        pruned.run_info = dict(module.run_info)
-        return pruned
-
-    def score(net, args) -> tuple[float, float]:
-        return accuracy_and_loss(trainer, build(net, args), run.loader)
-
-    rows, net, args = prune_iteratively(
-        module.net,
-        hparams["model"],
-        datamodule.val_dataloader(),
-        score,
-        step_fraction=float(settings.get("step_fraction", 0.1)),
-        max_fraction=float(settings.get("max_fraction", 0.75)),
-        normalise=bool(settings.get("normalise", True)),
-        device=trainer.strategy.root_device,
-    )
-    write_csv(out / "pruning.csv", rows)
-    _save_pruned(out / "pruned.ckpt", ckpt, build(net, args), args, rows)
-    count = sum(p.numel() for p in module.net.parameters())
-    count_pruned = sum(p.numel() for p in net.parameters())
-    metrics = {
-        **{f"pruning/acc_at_{pct}pct": accuracy_at(rows, pct / 100) for pct in (0, 25, 50, 75)},
-        "pruning/final_acc": rows[-1]["test_acc"],
-        "pruning/final_fraction": rows[-1]["fraction_removed"],
-        "pruning/params": count,
-        "pruning/params_pruned": count_pruned,
-        "pruning/num_heads": args["num_heads"],
-        "pruning/ckpt": str((out / "pruned.ckpt").resolve()),
-    }
-    total = sum(block.attn.num_heads for block in module.net.blocks)
-    per_step = rows[1]["heads_removed"] if len(rows) > 1 else 0
-    title = f"head pruning: {total} heads, {per_step} per step (gradient importance, val set)"
-    for r in rows:
-        run.scalars({"pruning/test_acc": r["test_acc"]}, step=r["heads_removed"])
-    run.publish(pruning_figure(rows, title), "pruning")
-    _print_pruning(rows, args, count, count_pruned)
-    # acc_at_<pct>: left out when no step removed that share
-    return {k: v for k, v in metrics.items() if v is not None}
 
 
 def check_class_pairs(pairs, num_classes: int) -> None:

@@ -33,11 +33,11 @@ from vit_mnist.tasks.evaluate.analyses import (
     analyse_circuits,
     analyse_faithfulness,
     analyse_heads,
-    analyse_pruning,
     analyse_roles,
     check_class_pairs,
     circuit_pairs,
 )
+from vit_mnist.tasks.evaluate.pruning import plan_pruning, report_pruning
 from vit_mnist.training.checkpointing import (
     checkpoint_datamodule,
     read_checkpoint,
@@ -69,8 +69,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     with ``analysis=heads`` also ``head_importance.csv`` (ablation and gradient head
     importance) and ``head_importance.png``; with ``analysis=faithfulness``
     ``faithfulness.csv`` and ``faithfulness.png`` (the perturbation test); with
-    ``analysis=prune`` ``pruning.csv``, ``pruning.png`` and ``pruned.ckpt`` (head pruning,
-    see :func:`analyse_pruning`).
+    ``analysis=prune`` ``pruning.csv``, ``pruning.png`` and the pruned checkpoint (head
+    pruning by each measure, chosen on the validation split before the test set is read;
+    see :mod:`vit_mnist.tasks.evaluate.pruning`).
 
     Returns:
         The metrics written to ``metrics.json``: ``test/acc`` (fraction in [0, 1]),
@@ -101,6 +102,14 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         datamodule.test_dataloader = datamodule.val_dataloader
     module = _load_module(cfg, ckpt_path)
     trainer, quiet = _trainers(cfg, run_info)
+    bar = bool(cfg.trainer.get("enable_progress_bar", True))
+    # Pruning chooses its heads and its step on the validation split, before the test set
+    # is read at all.
+    plan = (
+        plan_pruning(quiet(), module, datamodule, cfg.get("prune"), ckpt_path, bar=bar)
+        if analysis == "prune"
+        else None
+    )
     results = _test(trainer, module, datamodule, ckpt_path, split)
     run, metrics, cm = _report(cfg, trainer, module, datamodule, results, ckpt_path)
     if analysis == "heads":
@@ -113,8 +122,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     elif analysis == "roles":
         pixels = run.images * getattr(datamodule, "std", 1.0) + getattr(datamodule, "mean", 0.0)
         metrics["head_roles"] = analyse_roles(quiet(), run, pixels)
-    elif analysis == "prune":
-        metrics.update(analyse_pruning(quiet(), run, ckpt, datamodule, cfg.get("prune") or {}))
+    elif plan is not None:
+        metrics.update(report_pruning(quiet(), run, ckpt, plan, bar))
     elif analysis == "circuits":
         pairs = circuit_pairs(cm, cfg.circuits)
         metrics.update(analyse_circuits(run, pairs, pair_images=int(cfg.circuits.pair_images)))
