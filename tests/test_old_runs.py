@@ -17,6 +17,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tests.conftest import ROOT, compose_config
@@ -93,3 +94,58 @@ def test_an_old_checkpoint_predicts_and_opens_in_the_explorer(
     explorer = load_explorer(compose_config("explore", [f"ckpt_path={best}"], tmp_path / "x"))
     view = explorer.view(explorer.examples[0][:1])
     assert view.explanation.probs.shape == (10,)
+
+
+# The model arguments that checkpoints stored before the speed layer (commit 5e7ede0,
+# 2026-11-23, configs/model/vit_tiny.yaml of its parent): no arch, stem or distillation,
+# attention_impl "auto" and the retired compile key.
+BEFORE_5E7EDE0 = (
+    "img_size", "in_chans", "num_classes", "patch_size", "embed_dim", "depth", "num_heads",
+    "mlp_ratio", "dropout", "attn_dropout", "causal", "qkv_bias", "drop_path_rate",
+)  # fmt: skip
+
+
+def _checkpoint_of(old_run: Path, version: str, folder: Path) -> Path:
+    """The fixture run's best checkpoint as ``version`` wrote it: d52c075's as it is, and
+    one with the model arguments stored before 5e7ede0, built from it."""
+    (best,) = (old_run / "checkpoints").glob("best-*.ckpt")
+    if version == "d52c075":
+        return best
+    ckpt = torch.load(best, map_location="cpu", weights_only=False)
+    model = ckpt["hyper_parameters"]["model"]
+    older = {k: model[k] for k in BEFORE_5E7EDE0}
+    ckpt["hyper_parameters"]["model"] = {**older, "attention_impl": "auto", "compile": False}
+    path = folder / "before_5e7ede0.ckpt"
+    torch.save(ckpt, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("version", "analysis"),
+    [("d52c075", "prune")]
+    + [("before 5e7ede0", a) for a in ("heads", "faithfulness", "prune", "roles", "circuits")],
+)
+def test_every_analysis_runs_on_a_checkpoint_of_an_earlier_version(
+    old_run, tmp_path, monkeypatch, capsys, analysis, version
+):
+    ckpt = _checkpoint_of(old_run, version, tmp_path)
+    code, out, err = in_process(
+        monkeypatch,
+        capsys,
+        f"ckpt_path={ckpt}",
+        f"analysis={analysis}",
+        "faithfulness.num_images=16",
+        "circuits.pair_images=4",
+        f"hydra.run.dir={tmp_path / 'eval'}",
+        task="evaluate",
+    )
+    assert code == 0, (out + err)[-3000:]
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    expected = {
+        "heads": "heads/spearman_grad_vs_ablation",
+        "faithfulness": "faithfulness/num_images",
+        "prune": "pruning/ckpt",
+        "roles": "head_roles",
+        "circuits": "circuits/lens_accuracy",
+    }[analysis]
+    assert expected in metrics

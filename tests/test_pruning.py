@@ -259,9 +259,10 @@ def test_eval_prunes_and_the_pruned_checkpoint_is_used_like_any_other(
     assert again["test/acc"] == pytest.approx(float(last["test_acc"]), abs=1e-6)
     digit = draw_digit(tmp_path / "seven.png", seed=7)
     run = [f"ckpt_path={pruned_ckpt}", f"hydra.run.dir={tmp_path / 'predict'}"]
-    code, _, err = in_process(monkeypatch, capsys, *run, f"images=[{digit}]", task="predict")
+    code, out, err = in_process(monkeypatch, capsys, *run, f"images=[{digit}]", task="predict")
     assert code == 0, err[-2000:]
     assert (tmp_path / "predict" / "predictions.csv").read_text().count("seven.png") == 1
+    assert "2 of 8 heads" in out and "images/s against" in out
     run = [f"ckpt_path={pruned_ckpt}", f"hydra.run.dir={tmp_path / 'export'}", "format=torchscript"]
     code, _, err = in_process(monkeypatch, capsys, *run, task="export")
     assert code == 0, err[-2000:]

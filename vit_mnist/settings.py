@@ -85,10 +85,13 @@ def Heads(v: Any) -> str | None:  # noqa: N802 - a type, named as one
 
 @_checked
 def PruneOrders(v: Any) -> str | None:  # noqa: N802
-    if not (isinstance(v, list) and v and all(o in PRUNE_ORDERS for o in v)) or len(set(v)) < len(
-        v
-    ):
-        return f"must be a list of distinct orders from {list(PRUNE_ORDERS)}"
+    if not isinstance(v, list) or not v:
+        return f"must be a non-empty list of orders from {list(PRUNE_ORDERS)}"
+    unknown = [o for o in v if o not in PRUNE_ORDERS]
+    if unknown:
+        return f"names {', '.join(map(str, unknown))}: the orders are {list(PRUNE_ORDERS)}"
+    if len(set(v)) < len(v):
+        return "names an order twice; give each once"
 
 
 @_checked

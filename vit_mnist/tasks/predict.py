@@ -24,11 +24,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from vit_mnist.analysis.attention import attention_rollout, cls_attention
+from vit_mnist.analysis.components import head_counts
 from vit_mnist.analysis.drawing import grey, labelled_grid, overlay
+from vit_mnist.analysis.pruning import images_per_second
 from vit_mnist.analysis.relevance import class_relevance
 from vit_mnist.data.images import UNREADABLE, collect_images, read_image
 from vit_mnist.errors import CheckpointError, ConfigError, exit_on_user_error
+from vit_mnist.hardware import cpu_name
 from vit_mnist.io import append_csv_rows, printable_path, save_png
+from vit_mnist.models import build_model
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.settings import PredictSettings, check_settings
 from vit_mnist.training.checkpointing import load_model, resolve_ckpt_path
@@ -429,6 +433,25 @@ def _print_results(
         )
 
 
+def _print_pruned_speed(module: ViTClassifier) -> None:
+    """For a pruned checkpoint (``eval.py analysis=prune``): its heads, parameters and
+    images/s here beside a model of the unpruned shape (speed depends on the shapes, not
+    the weights), timed in turns on a batch of 256."""
+    pruned_from = module.run_info["pruned_from"]
+    unpruned = build_model(pruned_from["model"])
+    models = {"pruned": module.net, "unpruned": unpruned}
+    shape = (256, module.net.in_chans, module.net.img_size, module.net.img_size)
+    speed = images_per_second(models, torch.zeros(shape))
+    heads = {k: sum(head_counts(m)) for k, m in models.items()}
+    params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
+    print(
+        f"pruned model ({pruned_from['order']} order): {heads['pruned']} of "
+        f"{heads['unpruned']} heads, {params['pruned']:,} of {params['unpruned']:,} "
+        f"parameters; {speed['pruned']:,.0f} images/s against {speed['unpruned']:,.0f} "
+        f"unpruned on {cpu_name()} ({speed['pruned'] / speed['unpruned']:.2f}x)"
+    )
+
+
 @exit_on_user_error
 def main(cfg: DictConfig) -> list[Prediction]:
     """The body of ``python scripts/predict.py ckpt_path=PATH images=...``.
@@ -495,6 +518,8 @@ def main(cfg: DictConfig) -> list[Prediction]:
     n_failed = sum(bool(row["error"]) for row in rows)
     _print_results(results, rows, len(done), out_dir)
     print(f"predictions: {csv_path}" + (f" ({n_failed} failed)" if n_failed else ""))
+    if "pruned_from" in module.run_info:
+        _print_pruned_speed(module)
     if n_failed:
         raise SystemExit(1)
     return results

@@ -186,14 +186,18 @@ def _save(path: Path, ckpt: dict[str, Any], pruned: ViTClassifier, step: Step) -
         "state_dict": pruned.state_dict(),
         "hparams_name": ckpt.get("hparams_name", "kwargs"),
         "hyper_parameters": {**ckpt["hyper_parameters"], "model": pruned.hparams["model"]},
-        RUN_INFO_KEY: dict(ckpt.get(RUN_INFO_KEY, {})),
-        "pruned_heads": [f"{layer}:{head}" for layer, head in step.removed],
-        "pruned_from": {
-            "model": ckpt["hyper_parameters"]["model"],
-            "order": step.order,
-            "val_acc": step.val_acc,
-            "test_acc": step.test_acc,
+        RUN_INFO_KEY: {
+            **ckpt.get(RUN_INFO_KEY, {}),
+            # Read by predict.py (its speed beside the unpruned model's) through run_info.
+            "pruned_from": {
+                "model": ckpt["hyper_parameters"]["model"],
+                "order": step.order,
+                "val_acc": step.val_acc,
+                "test_acc": step.test_acc,
+            },
         },
+        # The explorer reads the heads removed from here.
+        "pruned_heads": [f"{layer}:{head}" for layer, head in step.removed],
     }
     AtomicCheckpointIO().save_checkpoint(saved, path)
 
