@@ -327,3 +327,23 @@ def test_a_pruned_model_fine_tunes_with_its_runs_own_recipe(tmp_path, monkeypatc
     with pytest.raises(ConfigError, match="init_from=<it>"):
         evaluate(compose_config("eval", overrides, tmp_path / "f"))
     assert not (tmp_path / "f" / "pruning.csv").exists()
+
+
+def test_the_ablation_measure_is_the_loss_increase_with_the_head_zeroed():
+    """Started part-way through the model (from the residual stream after the head's
+    block's attention), it gives what zeroing the head in a whole forward pass gives."""
+    import torch.nn.functional as F
+
+    from vit_mnist.analysis.heads import each_head_zeroed
+    from vit_mnist.analysis.pruning import MeasureData
+
+    net = _model()
+    x, y = torch.randn(100, 1, 28, 28), torch.randint(0, 10, (100,))
+    measured = MEASURES["ablation"](net, MeasureData(x, y, batch_size=32))
+    with torch.no_grad():
+        base = F.cross_entropy(net(x), y).item()
+        zeroed = torch.zeros(2, 4)
+        for layer, head, loss in each_head_zeroed(net, lambda: F.cross_entropy(net(x), y).item()):
+            zeroed[layer, head] = loss - base
+    torch.testing.assert_close(measured, zeroed, atol=1e-5, rtol=1e-4)
+    assert zeroed.abs().max() > 0.05  # the heads matter: the comparison means something

@@ -460,7 +460,7 @@ class PruneSettings(Section):
     normalise: bool = _f()
     # Validation accuracy points; 100 takes the last step whatever it costs.
     max_drop: float = _f("prune.max_drop=0.5", ge=0, le=100)
-    num_images: int = _f("prune.num_images=2000", ge=1)
+    num_images: int = _f("prune.num_images=1000", ge=1)
     save_steps: bool = _f()
     finetune_epochs: int = _f("prune.finetune_epochs=2", ge=0)
     seed: int = _seed("prune.seed")

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from vit_mnist.analysis.components import check_heads, head_counts
-from vit_mnist.analysis.heads import each_head_zeroed, gradient_head_importance
+from vit_mnist.analysis.components import check_heads, head_counts, resume, run_components
+from vit_mnist.analysis.heads import gradient_head_importance
 from vit_mnist.analysis.logit_attribution import direct_logit_attribution, margin_attribution
 from vit_mnist.analysis.modes import evaluating
 from vit_mnist.analysis.patching import activation_patching
@@ -124,25 +124,26 @@ def _gradient(model: VisionTransformer, data: MeasureData) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _loss(model: VisionTransformer, data: MeasureData) -> float:
-    """Mean cross-entropy (nats) of ``model`` on ``data``, float32, autocast off."""
-    device = next(model.parameters()).device
-    with torch.autocast(device.type, enabled=False):
-        total = sum(
-            F.cross_entropy(model(x.to(device)), y.to(device), reduction="sum").item()
-            for x, y in data.batches()
-        )
-    return total / len(data.labels)
-
-
 def _ablation(model: VisionTransformer, data: MeasureData) -> torch.Tensor:
     """The validation loss increase (nats) when the head's output is zeroed: the cost of
-    removing it alone, which the gradient measure estimates to first order."""
-    grid = torch.full((model.depth, max(head_counts(model))), float("nan"))
-    with evaluating(model):
-        base = _loss(model, data)
-        for layer, head, loss in each_head_zeroed(model, lambda: _loss(model, data)):
-            grid[layer, head] = loss - base
+    removing it alone, which the gradient measure estimates to first order. Each ablated
+    run starts from the unablated run's residual stream after the head's attention branch,
+    less the head's output (the blocks before it do not change)."""
+    counts, device = head_counts(model), next(model.parameters()).device
+    loss = torch.zeros(model.depth, max(counts))
+    base = 0.0
+    with evaluating(model), torch.autocast(device.type, enabled=False):
+        for x, y in data.batches():
+            c, y = run_components(model, x.to(device)), y.to(device)
+            base += F.cross_entropy(c.logits, y, reduction="sum").item()
+            for layer, heads in enumerate(c.heads):
+                for head in range(counts[layer]):
+                    resid = c.resid_mid[layer] - heads[:, head]
+                    logits = resume(model, resid, layer, after_attention=True)
+                    loss[layer, head] += F.cross_entropy(logits, y, reduction="sum").item()
+    grid = (loss - base) / len(data.labels)
+    for layer, n in enumerate(counts):
+        grid[layer, n:] = float("nan")
     return grid
 
 

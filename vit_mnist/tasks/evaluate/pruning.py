@@ -51,7 +51,7 @@ _DEFAULTS = {
     "max_fraction": 0.75,
     "normalise": True,
     "max_drop": 0.5,
-    "num_images": 2000,
+    "num_images": 1000,
     "save_steps": False,
     "finetune_epochs": 0,
     "seed": 0,
