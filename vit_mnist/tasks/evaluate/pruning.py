@@ -14,6 +14,7 @@ import logging
 import math
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from vit_mnist.analysis.pruning import (
     MeasureData,
     Step,
     best_choice,
+    choose_step,
     images_per_second,
     mean_accuracy,
     measure_data,
@@ -146,14 +148,20 @@ def plan_pruning(
         return accuracy_and_loss(trainer, _classifier(module, pruned, pruned_args), loader)
 
     steps = len(s["orders"]) * (math.ceil(target / per_step) + 1)
+    curves = {}
     with progress(steps, "pruning (validation)", enabled=bar) as shown:
-        curves = {
-            order: prune_in_order(
+        for order in s["orders"]:
+            start = time.perf_counter()
+            curves[order] = prune_in_order(
                 net, args, order, data, score, per_step=per_step, target=target,
                 progress=shown.update,
-            )
-            for order in s["orders"]
-        }  # fmt: skip
+            )  # fmt: skip
+            accs = [step.val_acc for step in curves[order]]
+            removed = len(curves[order][choose_step(accs, s["max_drop"])].removed)
+            log.info(
+                "pruning by %s: %d of %d heads removed within %s val points (%.0f s)",
+                order, removed, total, s["max_drop"], time.perf_counter() - start,
+            )  # fmt: skip
     chosen = best_choice(curves, float(s["max_drop"]))
     return PruningPlan(curves, chosen, total, per_step, s, config)
 
@@ -248,8 +256,6 @@ def _speed(module: ViTClassifier, pruned: ViTClassifier, images: torch.Tensor) -
 def _summaries(plan: PruningPlan) -> dict[str, dict[str, Any]]:
     """Per order: the step ``max_drop`` picks on its curve and the mean accuracies (areas
     under the curves, :func:`~vit_mnist.analysis.pruning.mean_accuracy`)."""
-    from vit_mnist.analysis.pruning import choose_step
-
     out = {}
     for order, steps in plan.curves.items():
         step = steps[choose_step([s.val_acc for s in steps], float(plan.settings["max_drop"]))]
