@@ -272,6 +272,9 @@ def test_eval_prunes_and_the_pruned_checkpoint_is_used_like_any_other(
     assert explorer.view(explorer.examples[0][:1]).explanation.probs.shape == (10,)
     loaded = ViTClassifier.load_from_checkpoint(pruned_ckpt, weights_only=True)
     assert _params(loaded.net) == speed["params"]["pruned"]
+    again = [f"ckpt_path={pruned_ckpt}", "analysis=prune", *COMMON]
+    with pytest.raises(ConfigError, match="pruned already .* prune the checkpoint it came from"):
+        evaluate(compose_config("eval", again, tmp_path / "twice"))
 
     # trainer.limit_test_batches holds for every figure: the per-class report and each
     # pruning step score the same one batch of 64 images as the test loop.

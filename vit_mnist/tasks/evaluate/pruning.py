@@ -21,7 +21,9 @@ from typing import Any
 
 import lightning as L
 import torch
+from omegaconf import DictConfig, OmegaConf
 
+from vit_mnist.analysis.components import head_counts
 from vit_mnist.analysis.per_class import accuracy_and_loss, predict
 from vit_mnist.analysis.pruning import (
     MeasureData,
@@ -40,24 +42,10 @@ from vit_mnist.console import progress
 from vit_mnist.errors import ConfigError
 from vit_mnist.hardware import cpu_name
 from vit_mnist.io import write_csv
-from vit_mnist.settings import PRUNE_ORDERS
 from vit_mnist.training.checkpointing import AtomicCheckpointIO
 from vit_mnist.training.module import RUN_INFO_KEY, ViTClassifier
 
 log = logging.getLogger(__name__)
-
-# The defaults of configs/eval.yaml's prune: section, for a config that leaves a key out.
-_DEFAULTS = {
-    "orders": list(PRUNE_ORDERS),
-    "step_fraction": 0.1,
-    "max_fraction": 0.75,
-    "normalise": True,
-    "max_drop": 0.5,
-    "num_images": 1000,
-    "save_steps": False,
-    "finetune_epochs": 0,
-    "seed": 0,
-}
 
 
 @dataclass
@@ -81,10 +69,6 @@ class PruningPlan:
     def unpruned(self) -> Step:
         """Step 0: the unpruned model."""
         return self.curves[self.chosen[0]][0]
-
-
-def _settings(given: Any) -> dict[str, Any]:
-    return {**_DEFAULTS, **{k: v for k, v in dict(given or {}).items() if v is not None}}
 
 
 def finetune_config(ckpt_path: Path) -> Path:
@@ -129,14 +113,23 @@ def plan_pruning(
     most-pruned step within ``prune.max_drop`` validation points, of the order that
     removes the most heads there (:func:`~vit_mnist.analysis.pruning.best_choice`).
 
+    Args:
+        given: the ``prune`` section of the eval config (configs/eval.yaml).
+
     Raises:
-        ConfigError: ``prune.finetune_epochs`` for a checkpoint outside its run dir.
-        ValueError: a pruned checkpoint (its blocks' head counts differ).
+        ConfigError: ``prune.finetune_epochs`` for a checkpoint outside its run dir, or a
+            checkpoint pruned already.
     """
-    s = _settings(given)
+    s = OmegaConf.to_container(given) if isinstance(given, DictConfig) else dict(given)
     config = finetune_config(ckpt_path) if s["finetune_epochs"] else None
     net, args = module.net, dict(module.hparams["model"])
-    depth, heads = net.depth, net.blocks[0].attn.num_heads
+    counts = head_counts(net)
+    if len(set(counts)) > 1 or "pruned_from" in module.run_info:
+        raise ConfigError(
+            f"analysis=prune needs an unpruned model; {ckpt_path} is pruned already (heads "
+            f"per block {counts}): prune the checkpoint it came from"
+        )
+    depth, heads = net.depth, counts[0]
     total = depth * heads
     per_step, target = pruning_plan(total, depth, s["step_fraction"], s["max_fraction"])
     datamodule.prepare_data()  # the test loop has not run yet to do it
