@@ -436,6 +436,7 @@ def pruning_figure(
             color="black",
             label=f"kept: {order}, {total - len(step.removed)} heads",
         )
+        ax.set_xticks(sorted({len(s.removed) for steps in curves.values() for s in steps}))
         ax.set(xlabel=f"heads removed (of {total})", title=f"{name} accuracy")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy (%)")
