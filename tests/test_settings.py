@@ -211,9 +211,9 @@ def test_the_settings_and_the_teacher_are_checked_once_per_run(tmp_path, monkeyp
     schema_checks, teacher_checks = [], []
     check_arguments, check_teacher = settings.check_arguments, checks.check_teacher
 
-    def counted_arguments(section, values, prefix=""):
+    def counted_arguments(section, values, prefix="", typed=None):
         schema_checks.append(section) if section is settings.TrainSettings else None
-        return check_arguments(section, values, prefix)
+        return check_arguments(section, values, prefix, typed)
 
     def counted_teacher(*args, **kwargs):
         teacher_checks.append(args)

@@ -79,7 +79,7 @@ def hydra_error_line(
     return None
 
 
-def _overrides(argv: list[str]) -> list[tuple[str, str, str]]:
+def split_overrides(argv: list[str]) -> list[tuple[str, str, str]]:
     """``(prefix, key, value)`` of each ``key=value`` override (prefix ``+``, ``++``, ``~``
     or empty)."""
     found = []
@@ -92,7 +92,7 @@ def _overrides(argv: list[str]) -> list[tuple[str, str, str]]:
 
 def _given(key: str, argv: list[str]) -> str | None:
     """The value that the command line gives ``key`` (``key=v``, ``+key=v``, ``++key=v``)."""
-    return next((v for _, k, v in _overrides(argv) if k == key), None)
+    return next((v for _, k, v in split_overrides(argv) if k == key), None)
 
 
 def _added_but_set(config_name: str, argv: list[str]) -> str | None:
@@ -103,7 +103,7 @@ def _added_but_set(config_name: str, argv: list[str]) -> str | None:
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    added = [k for p, k, _ in _overrides(argv) if p == "+"]
+    added = [k for p, k, _ in split_overrides(argv) if p == "+"]
     plain = [a for a in argv if not (a.startswith("+") and not a.startswith("++"))]
     if not added:
         return None
@@ -124,7 +124,7 @@ def _group_set_to_null(argv: list[str]) -> tuple[str, list[str]] | None:
     being a folder of ``configs/`` (options: its YAML files) or a path such as
     ``hydra/launcher`` (options not listed: Hydra's plugins add some); None without one."""
     configs = importlib.resources.files("vit_mnist.configs")
-    for prefix, key, value in _overrides(argv):
+    for prefix, key, value in split_overrides(argv):
         if value.lower() != "null" or "~" in prefix:
             continue
         if "/" in key:
@@ -145,7 +145,7 @@ def _unknown_override(key: str, argv: list[str], command: str) -> str:
     if key not in RETIRED and name in known_keys(schema, section):
         # A setting that this config's YAML leaves out, or a null section (eval.py's data)
         # under which a key was given (data.batch_size=512).
-        under = (f"{k}={v}" for _, k, v in _overrides(argv) if k.startswith(f"{key}."))
+        under = (f"{k}={v}" for _, k, v in split_overrides(argv) if k.startswith(f"{key}."))
         arg = f"{key}={value}" if value is not None else next(under, f"{key}=...")
         return f"{key} is not set by this config; add it with a +: +{arg}"
     return unknown_key(key, schema, "..." if value is None else value)
