@@ -381,3 +381,20 @@ def test_no_regex_reads_a_hydra_message():
         source = path.read_text()
         handles = any(m in source for m in ("hydra.errors", "omegaconf.errors"))
         assert not (handles and re.search(r"^import re$", source, re.M)), path
+
+
+@pytest.mark.parametrize(
+    ("task", "typed"),
+    [
+        ("evaluate", 'circuits.pairs=[["4","9"]]'),  # was echoed as [[4,9]], a valid look
+        ("train", "seed=1.50"),
+        ("train", "model.dropout='0.1'"),
+    ],
+)
+def test_a_refused_value_is_echoed_as_typed(tmp_path, monkeypatch, capsys, task, typed):
+    monkeypatch.chdir(tmp_path)
+    args = [typed, "ckpt_path=x.ckpt", "analysis=circuits"] if task == "evaluate" else [typed]
+    code, _, stderr = in_process(monkeypatch, capsys, *args, task=task)
+    (line,) = stderr.strip().splitlines()
+    assert code == 2 and line.startswith(f"error: {typed} "), line
+    assert not list(tmp_path.rglob("*.json"))

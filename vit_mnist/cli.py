@@ -94,9 +94,9 @@ def _start(task: str, cfg: DictConfig) -> ModuleType:
     a multirun it alone checks, so that a bad job is recorded once and the sweep goes on.
     Ctrl-C during the imports ends the program with one line and status 130.
     """
-    from vit_mnist.settings import SETTINGS, check_settings
-
     from hydra.core.hydra_config import HydraConfig
+
+    from vit_mnist.settings import SETTINGS, check_settings
 
     _STARTED.append(task)
     if multirun_job_dir() is None:

@@ -51,7 +51,10 @@ def hydra_error_line(
     if isinstance(error, ConfigCompositionException):
         cause = error.__cause__
         if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
-            return _unknown_override(cause.full_key, argv, command)
+            return unknown_override(cause.full_key, argv, command)
+        swept = _swept_hydra_setting(argv) if cause is None else None
+        if swept is not None:
+            return swept
         key = _added_but_set(config_name, argv) if cause is None else None
         if key is not None:
             value = _given(key, argv)
@@ -95,6 +98,35 @@ def _given(key: str, argv: list[str]) -> str | None:
     return next((v for _, k, v in split_overrides(argv) if k == key), None)
 
 
+# Where an Optuna study's search space is kept in the config (configs/hparams_search/).
+SEARCH_SPACE = "hydra.sweeper.params."
+
+
+def _swept_hydra_setting(argv: list[str]) -> str | None:
+    """The line for the first sweep (``interval``, ``choice``, ``a,b``) given to one of
+    Hydra's own settings, which Hydra cannot sweep: a search-space entry goes by its key
+    alone (``module.lr=interval(...)``). None without one."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        if not (eq and name.lstrip("+~").startswith("hydra.")):
+            continue
+        (override,) = parser.parse_overrides([arg])
+        if not override.is_sweep_override():
+            continue
+        key = name.lstrip("+~")
+        if key.startswith(SEARCH_SPACE):
+            entry = f"{key[len(SEARCH_SPACE) :]}={value}"
+            return (
+                f"{arg}: a search-space entry is given on the command line by its key "
+                f"alone, '{entry}', and joins {SEARCH_SPACE[:-1]}"
+            )
+        return f"{arg}: Hydra's own settings take one value, not a sweep; give {key} one value"
+    return None
+
+
 def _added_but_set(config_name: str, argv: list[str]) -> str | None:
     """The first ``+key=value`` whose key the config sets already: the config composed
     again without the ``+`` overrides has it. None when there is none, or when the config
@@ -135,13 +167,15 @@ def _group_set_to_null(argv: list[str]) -> tuple[str, list[str]] | None:
     return None
 
 
-def _unknown_override(key: str, argv: list[str], command: str) -> str:
+def unknown_override(key: str, argv: list[str], command: str) -> str:
     """``model.num_head=4``: the nearest setting, or how to add an argument with ``+``."""
     from vit_mnist.settings import RETIRED, SETTINGS, known_keys, unknown_key
 
     schema = SETTINGS[command]
     value = _given(key, argv)
     section, _, name = key.rpartition(".")
+    if key.startswith("hydra."):  # Hydra's own settings, and a sweeper's sampler and pruner
+        return f"{key} is not in the config; add it with a +: +{key}={value or '...'}"
     if key not in RETIRED and name in known_keys(schema, section):
         # A setting that this config's YAML leaves out, or a null section (eval.py's data)
         # under which a key was given (data.batch_size=512).

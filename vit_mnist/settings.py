@@ -735,6 +735,20 @@ def check_arguments(
         raise ConfigError(_one_line(e.errors()[0], section, values, prefix, typed or {})) from None
 
 
+def check_value(schema: type[Section], key: str, value: Any) -> None:
+    """Check one setting, ``key`` (dotted, such as ``"module.lr"``) set to ``value``, against
+    ``schema`` as the whole config's check would: its type, range or choices. A key that
+    ``schema`` does not declare is left to the caller.
+
+    Raises:
+        ConfigError: the line :func:`check_arguments` gives, naming ``key``.
+    """
+    section, _, name = key.rpartition(".")
+    cls = _section(schema, section)
+    if cls is not None and name in _names(cls):
+        check_arguments(cls, {name: value}, prefix=f"{section}." if section else "")
+
+
 def import_target(target: str) -> Any:
     """The object a dotted ``_target_`` path names, as Hydra's ``instantiate`` finds it.
 
