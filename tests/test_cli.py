@@ -398,3 +398,15 @@ def test_a_refused_value_is_echoed_as_typed(tmp_path, monkeypatch, capsys, task,
     (line,) = stderr.strip().splitlines()
     assert code == 2 and line.startswith(f"error: {typed} "), line
     assert not list(tmp_path.rglob("*.json"))
+
+
+def test_a_sweep_with_cfg_job_is_one_line(tmp_path, monkeypatch, capsys):
+    # Before: Hydra's ValueError "Only one of --run, --multirun, --cfg, ..." as a traceback.
+    monkeypatch.chdir(tmp_path)
+    code, out, stderr = in_process(monkeypatch, capsys, "-m", "--cfg", "job", "data=synthetic")
+    assert code == 2 and stderr.strip().splitlines() == [
+        "error: -m and --cfg cannot go together: Hydra does one of them per command; to see a "
+        "sweep's config, print one job's (drop -m and give each key one value: --cfg job), or "
+        "run the sweep without --cfg"
+    ]
+    assert out == "" and not list(tmp_path.iterdir())

@@ -70,6 +70,14 @@ def hydra_error_line(
         )
     if isinstance(error, HydraException):
         return text
+    modes = [a for a in argv if a in _MODES]
+    if isinstance(error, ValueError) and len({_MODES[m] for m in modes}) > 1:
+        # Hydra's "Only one of --run, --multirun, --cfg, ..." as a bare ValueError.
+        return (
+            f"{' and '.join(modes)} cannot go together: Hydra does one of them per command; "
+            "to see a sweep's config, print one job's (drop -m and give each key one value: "
+            "--cfg job), or run the sweep without --cfg"
+        )
     nulled = _group_set_to_null(argv)
     if isinstance(error, ValueError) and nulled is not None:
         # Hydra refuses `group=null` with a bare ValueError, before its own error types.
@@ -80,6 +88,21 @@ def hydra_error_line(
             f"the group out with ~{key}{choose}"
         )
     return None
+
+
+# Hydra's command-line modes, each flag by the mode it asks for: one per command.
+_MODES = {
+    "-m": "multirun",
+    "--multirun": "multirun",
+    "-r": "run",
+    "--run": "run",
+    "-c": "cfg",
+    "--cfg": "cfg",
+    "-i": "info",
+    "--info": "info",
+    "-sc": "shell_completion",
+    "--shell-completion": "shell_completion",
+}
 
 
 def split_overrides(argv: list[str]) -> list[tuple[str, str, str]]:
