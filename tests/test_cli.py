@@ -223,6 +223,10 @@ def test_console_script_trains_with_user_overrides_then_eval_evaluates(
     assert not any(line.startswith("INFO: ") for line in lines), stderr
     assert "Tip" not in stdout + stderr
     assert "is deprecated" not in stderr
+    # Lines that told the user nothing (issue 102): "limit_*_batches=1.0 was configured" x 3
+    # and a summary that counted 0 FLOPs.
+    assert "was configured so" not in stdout + stderr
+    assert "Total FLOPs: 0" not in stdout and re.search(r"Total FLOPs: [1-9]", stdout), stdout
     warnings = [line for line in lines if re.search(r"\.py:\d+: ", line)]
     assert not warnings, warnings
     repeated = {line for line in logged if logged.count(line) > 1}

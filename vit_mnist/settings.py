@@ -97,7 +97,9 @@ def Precision(v: Any) -> str | None:  # noqa: N802
 
 @_checked
 def Batches(v: Any) -> str | None:  # noqa: N802
-    # Lightning: an int is a number of batches, a float a fraction of the epoch.
+    # Lightning: an int is a number of batches, a float a fraction of the epoch, None all.
+    if v is None:
+        return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return "must be a number of batches (int) or a fraction of the epoch (float)"
     if isinstance(v, float) and not 0.0 <= v <= 1.0:

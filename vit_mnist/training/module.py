@@ -101,6 +101,10 @@ class ViTClassifier(L.LightningModule):
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.val_acc_best = MaxMetric()
         self.run_info: dict[str, Any] = {}  # data config, precision, seed: from train()
+        # One image, for Lightning's model summary: its FLOPs column and total count one
+        # image's forward (without it they said 0), and its sizes columns the shapes.
+        size = model.get("img_size", 28)
+        self.example_input_array = torch.zeros(1, model.get("in_chans", 1), size, size)
         self._resumed_val_acc_best: float | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
