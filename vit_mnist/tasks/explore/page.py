@@ -305,6 +305,7 @@ def _circuits_panel(gr, explorer: Explorer) -> dict[str, Any]:
                 y="probability %",
                 color="line",
                 color_title="class",
+                sort=[str(b) for b in range(explorer.model.depth)],  # whole blocks, in order
                 y_lim=[0, 100],
                 show_label=False,
                 elem_id="lens",
