@@ -414,3 +414,33 @@ def test_a_sweep_with_cfg_job_is_one_line(tmp_path, monkeypatch, capsys):
         "run the sweep without --cfg"
     ]
     assert out == "" and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("task", "opening", "groups"),
+    [
+        ("train", "python train.py (or vit-mnist-train): train a Vision Transformer", 8),
+        ("evaluate", "python eval.py (or vit-mnist-eval): test a checkpoint", 3),
+        ("predict", "python scripts/predict.py (or vit-mnist-predict): predict the digit", 0),
+        ("export", "python scripts/export.py (or vit-mnist-export): write a checkpoint", 1),
+        ("explore", "python scripts/explore.py (or vit-mnist-explore): the attention", 1),
+    ],
+)
+def test_help_says_what_the_command_does_and_lists_only_what_it_reads(
+    tmp_path, monkeypatch, capsys, task, opening, groups
+):
+    """Issue 102: each --help opened with "cli is powered by Hydra" and listed every
+    config group, the training ones too for predict, export and explore."""
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = in_process(monkeypatch, capsys, "--help", task=task)
+    paragraph, commands, *rest = out.split("\n\n")
+    assert code == 0 and paragraph.startswith(opening) and "powered by Hydra" not in out
+    assert 2 <= sum(line.startswith("  python ") for line in commands.splitlines()) <= 3
+    listed = out.split("== Config groups (group=option) ==\n")[1:]
+    names = [
+        line.split(":")[0].strip() for line in (listed or [""])[0].split("\n\n")[0].split("\n")
+    ]
+    assert len([n for n in names if n]) == groups, names
+    if task != "train":
+        assert not {"model", "module", "callbacks", "experiment"} & set(names)
+    assert f"task_name: {'eval' if task == 'evaluate' else task}" in out  # its own keys
