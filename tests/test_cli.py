@@ -96,7 +96,9 @@ def hydra_error(monkeypatch, capsys, *argv: str, task: str = "train") -> str:
     return line
 
 
-def test_hydra_errors_are_one_line(monkeypatch, capsys):
+def test_hydra_errors_are_one_line(monkeypatch, capsys, tmp_path):
+    # A run dir is made before the schema's check: in a temporary folder, not the checkout.
+    monkeypatch.chdir(tmp_path)
     typo = hydra_error(monkeypatch, capsys, "model.num_head=4")  # the nearest setting, not "+"
     assert "did you mean model.num_heads? (model.num_heads=4)" in typo
     # The schema (vit_mnist/settings.py), before any work; its other cases are in
