@@ -407,6 +407,19 @@ class ModelCheckpointSettings(OpenBuilt):
     mode: Literal["min", "max"] = _f("callbacks.model_checkpoint.mode=max")
 
 
+class EMASettings(OpenBuilt):
+    """``callbacks.ema``, Lightning's ``EMAWeightAveraging`` (configs/callbacks/ema.yaml). A
+    start after the run's last step is refused by ``ViTClassifier`` once the run's length
+    is known."""
+
+    # 1 would keep the weights the run started from; above 1 the average diverges.
+    decay: float = _f("callbacks.ema.decay=0.999", ge=0, lt=1)
+    # 0 never updates the average (Lightning takes it as "never").
+    update_every_n_steps: int = _f("callbacks.ema.update_every_n_steps=1", ge=1)
+    update_starting_at_step: int | None = _f("callbacks.ema.update_starting_at_step=100", ge=0)
+    update_starting_at_epoch: int | None = _f("callbacks.ema.update_starting_at_epoch=1", ge=0)
+
+
 class CallbacksSettings(Section):
     """The callbacks by name (configs/callbacks/); any other may be added."""
 
@@ -414,6 +427,7 @@ class CallbacksSettings(Section):
 
     last_checkpoint: LastCheckpointSettings | None = None
     model_checkpoint: ModelCheckpointSettings | None = None
+    ema: EMASettings | None = None
 
 
 class TrainSettings(Section):
