@@ -185,3 +185,11 @@ def test_a_conv_stem_with_no_convolution_is_refused_not_trained_as_the_patch_ste
     # A Python caller (or a checkpoint) gets the same refusal from the constructor.
     with pytest.raises(ConfigError, match="no convolution, which is the patch stem"):
         VisionTransformer(patch_size=4, stem="conv", stem_channels=[], stem_strides=[])
+
+
+def test_a_stem_given_to_the_convnet_is_refused_in_one_line(tmp_path):
+    # Issue 102's audit of the stem: `model=cnn +model.stem=conv` was a TypeError traceback.
+    overrides = ["data=synthetic", "trainer=cpu", "model=cnn", "+model.stem=conv"]
+    with pytest.raises(ConfigError, match=r"^model.stem: not a setting of the convnet"):
+        train(compose_config("train", overrides, tmp_path))
+    assert not (tmp_path / "metrics.json").exists()
