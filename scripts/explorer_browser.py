@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", default="docs/explorer.md", help="the latency page")
     parser.add_argument("--caption", default="", help="a line about the checkpoint")
     parser.add_argument("--changes", type=int, default=20, help="input changes timed")
+    parser.add_argument(
+        "--size", default="1400x900", help="the browser window, WIDTHxHEIGHT in CSS px"
+    )
     args = parser.parse_args(argv)
     missing = browser_missing()
     if missing:
@@ -261,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # as scripts/explore.py runs
     load_before = os.getloadavg()[0]
-    with running_explorer(args.ckpt) as (explorer, url, _), chromium_page() as page:
+    width, height = map(int, args.size.split("x"))
+    with running_explorer(args.ckpt) as (explorer, url, _), chromium_page(width, height) as page:
         page.goto(url)
         wait_for_summary(page, "example 0")
         times = latency(page, args.changes, explorer.model.patch_embed.grid_size)
