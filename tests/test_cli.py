@@ -474,3 +474,15 @@ for path in sys.argv[1:]:
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_file_name_that_is_not_utf8_is_named_as_the_cause(tmp_path, monkeypatch, capsys):
+    # Before: "cannot read the override ... (quote lists and values with spaces: ...)",
+    # a cause that was not the one.
+    monkeypatch.chdir(tmp_path)
+    name = os.fsdecode(b"te\xffacher.ckpt")
+    line = hydra_error(
+        monkeypatch, capsys, "model.distillation=true", f"module.teacher_ckpt={name}"
+    )
+    assert line.startswith(r"error: cannot read the override module.teacher_ckpt=te\xffacher.ckpt")
+    assert "not UTF-8" in line and "quote" not in line

@@ -29,6 +29,7 @@ def test_a_three_trial_optuna_study_optimises_validation_accuracy(tmp_path, monk
         "-m",
         "hparams_search=mnist_optuna",
         "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.pruner=null",  # its warm-up (4 epochs) is longer than these trials
         *ONE_EPOCH,
         *TINY_MODEL,
     )
@@ -62,6 +63,7 @@ def test_a_study_records_a_failed_trial_goes_on_and_minimises_a_loss(tmp_path, m
         "hparams_search=mnist_optuna",
         "optimized_metric=val/loss",
         "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.pruner=null",
         "hydra.sweeper.sampler.seed=6",  # draws 2, 3, 2 heads
         "model.num_heads=choice(2,3)",
         *ONE_EPOCH,
@@ -352,6 +354,15 @@ def test_a_disk_that_fills_while_tensorboard_writes_is_one_line(tmp_path, monkey
         # Before: accepted, exit 0, and a line promising a results file never written.
         ("hydra.sweeper.n_trials=0", "hydra.sweeper.n_trials=0 must be >= 1; e.g. "),
         ("hydra.sweeper.n_trials=-3", "hydra.sweeper.n_trials=-3 must be >= 1; e.g. "),
+        # Before: accepted, and the median pruner's 4-epoch warm-up outlasted the 1-epoch
+        # trials: it never pruned.
+        (
+            "hydra.sweeper.n_trials=1",
+            "hydra.sweeper.pruner.n_warmup_steps=4: the pruner may stop a trial from epoch 4 "
+            "on, and each trial runs trainer.max_epochs=1 (epochs 0 to 0), so it would never "
+            "prune; lower n_warmup_steps below 1, or turn the pruner off with "
+            "hydra.sweeper.pruner=null",
+        ),
         # Before: Hydra's "Sweeping over Hydra's configuration is not supported".
         (
             "hydra.sweeper.params.module.lr=interval(1e-3,1e-2)",

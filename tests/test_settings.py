@@ -254,3 +254,13 @@ def test_an_ema_that_starts_after_the_last_step_is_refused_before_training(make_
     with pytest.raises(ConfigError, match=r"update_starting_at_step=16, and this run's last step"):
         train(cfg)  # 2 epochs of 8 batches: steps 0 to 15
     assert not list(Path(cfg.paths.output_dir).rglob("*.ckpt"))
+
+
+def test_a_distillation_temperature_that_is_not_finite_is_refused():
+    # Issue 102's audit: inf passed `> 0`; it softens every output to uniform, and the
+    # loss (times tau**2) to NaN.
+    from vit_mnist.settings import ModuleSettings, check_arguments
+
+    with pytest.raises(ConfigError, match=r"^module.distillation_tau=inf must be a finite number"):
+        check_arguments(ModuleSettings, {"distillation_tau": float("inf")}, prefix="module.")
+    check_arguments(ModuleSettings, {"distillation_tau": 3.0}, prefix="module.")

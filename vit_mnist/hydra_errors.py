@@ -9,6 +9,7 @@ the wording of a message: a Hydra release may reword its messages, not its types
 from __future__ import annotations
 
 import importlib.resources
+import os
 
 
 def hydra_error_line(
@@ -33,11 +34,7 @@ def hydra_error_line(
 
     text = " ".join(str(error).split()) or type(error).__name__
     if isinstance(error, OverrideParseException):
-        return (
-            f"cannot read the override {error.override} (quote lists and values with spaces: "
-            "'model.num_heads=[2,4]'; grammar: "
-            "https://hydra.cc/docs/advanced/override_grammar/basic/)"
-        )
+        return _unreadable_override(error, argv)
     if isinstance(error, MissingConfigException):
         if error.missing_cfg_file is None:  # no configs/: the project is not installed
             return f"{text} Install the project first: pip install -e . (the quick start)"
@@ -72,12 +69,7 @@ def hydra_error_line(
         return text
     modes = [a for a in argv if a in _MODES]
     if isinstance(error, ValueError) and len({_MODES[m] for m in modes}) > 1:
-        # Hydra's "Only one of --run, --multirun, --cfg, ..." as a bare ValueError.
-        return (
-            f"{' and '.join(modes)} cannot go together: Hydra does one of them per command; "
-            "to see a sweep's config, print one job's (drop -m and give each key one value: "
-            "--cfg job), or run the sweep without --cfg"
-        )
+        return _modes_line(modes)
     nulled = _group_set_to_null(argv)
     if isinstance(error, ValueError) and nulled is not None:
         # Hydra refuses `group=null` with a bare ValueError, before its own error types.
@@ -88,6 +80,34 @@ def hydra_error_line(
             f"the group out with ~{key}{choose}"
         )
     return None
+
+
+def _unreadable_override(error: Exception, argv: list[str]) -> str:
+    """The line for an override Hydra's grammar cannot read (``OverrideParseException``)."""
+    undecodable = next((a for a in argv if _not_utf8(a)), None)
+    if undecodable is not None:
+        # A file name of bytes that are not UTF-8: Python keeps them as surrogates,
+        # which Hydra's grammar cannot read, quoted or not.
+        shown = os.fsencode(undecodable).decode("utf-8", "backslashreplace")
+        return (
+            f"cannot read the override {shown}: it holds bytes that are not UTF-8 (a "
+            "file name from another system?); rename the file, or link it under a "
+            "UTF-8 name (ln -s), and give that name"
+        )
+    return (
+        f"cannot read the override {error.override} (quote lists and values with spaces: "
+        "'model.num_heads=[2,4]'; grammar: "
+        "https://hydra.cc/docs/advanced/override_grammar/basic/)"
+    )
+
+
+def _modes_line(modes: list[str]) -> str:
+    """Hydra's "Only one of --run, --multirun, --cfg, ..." (a bare ValueError) in a line."""
+    return (
+        f"{' and '.join(modes)} cannot go together: Hydra does one of them per command; "
+        "to see a sweep's config, print one job's (drop -m and give each key one value: "
+        "--cfg job), or run the sweep without --cfg"
+    )
 
 
 # Hydra's command-line modes, each flag by the mode it asks for: one per command.
@@ -103,6 +123,15 @@ _MODES = {
     "-sc": "shell_completion",
     "--shell-completion": "shell_completion",
 }
+
+
+def _not_utf8(arg: str) -> bool:
+    """Whether a command-line argument held bytes that are not UTF-8 (surrogate escapes)."""
+    try:
+        arg.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def split_overrides(argv: list[str]) -> list[tuple[str, str, str]]:

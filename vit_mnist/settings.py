@@ -243,7 +243,8 @@ MODULE_RANGES: dict[str, Any] = {
     "label_smoothing": _f("module.label_smoothing=0.1", ge=0, lt=1),
     "test_time_shift": _shift("module.test_time_shift"),
     "teacher_ckpt": _f("module.teacher_ckpt=PATH/best.ckpt"),
-    "distillation_tau": _f("module.distillation_tau=3", gt=0),
+    # inf would soften every output to uniform (and the loss, times tau**2, to NaN).
+    "distillation_tau": _f("module.distillation_tau=3", gt=0, allow_inf_nan=False),
 }
 DATA_RANGES: dict[str, Any] = {
     "data_dir": (str | None, _f()),
@@ -574,6 +575,7 @@ _HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_recursive_", "_convert_"}
 _KINDS = {
     "int_type": "a whole number",
     "float_type": "a number",
+    "finite_number": "a finite number",
     "bool_type": "true or false",
     "string_type": "a string",
     "list_type": "a list of numbers, such as [0.9,0.999]",

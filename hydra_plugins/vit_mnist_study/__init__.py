@@ -93,7 +93,8 @@ class StudySweeper(Sweeper):
                 search metrics; ``n_trials`` or ``n_jobs`` below 1 (:func:`check_study`); a
                 sampler or pruner that :func:`build_optuna` refuses; a ``pruner`` with
                 ``n_jobs`` above 1 or another launcher than the basic one; a search space
-                that :func:`search_space` refuses.
+                that :func:`search_space` refuses; a pruner that would never prune
+                (:func:`check_pruner_warmup`).
         """
         import optuna
         from hydra._internal.core_plugins.basic_launcher import BasicLauncher
@@ -129,6 +130,7 @@ class StudySweeper(Sweeper):
         space, fixed = search_space(
             [*(f"{k}={v}" for k, v in self.params.items()), *arguments], self.config
         )
+        check_pruner_warmup(pruner, self.config)
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own line per trial
         study = optuna.create_study(
             study_name=self.study_name,
@@ -242,6 +244,26 @@ def build_optuna(node: Any, name: str, base: type) -> Any:
             f"{base.__module__.rsplit('.', 1)[0]}'s, e.g. '{key}={example}'"
         )
     return built
+
+
+def check_pruner_warmup(pruner: Any, config: DictConfig) -> None:
+    """A pruner whose warm-up (``n_warmup_steps``, in epochs: each trial reports once per
+    validation, the epoch as the step) lasts as long as a trial, which would never prune.
+
+    Raises:
+        ConfigError: naming both settings and the fix.
+    """
+    from vit_mnist.errors import ConfigError
+
+    warmup = getattr(pruner, "_n_warmup_steps", None)  # Median, Percentile, Threshold pruners
+    epochs = OmegaConf.select(config, "trainer.max_epochs")
+    if isinstance(warmup, int) and isinstance(epochs, int) and warmup >= epochs:
+        raise ConfigError(
+            f"hydra.sweeper.pruner.n_warmup_steps={warmup}: the pruner may stop a trial from "
+            f"epoch {warmup} on, and each trial runs trainer.max_epochs={epochs} (epochs 0 to "
+            f"{epochs - 1}), so it would never prune; lower n_warmup_steps below {epochs}, "
+            "or turn the pruner off with hydra.sweeper.pruner=null"
+        )
 
 
 def search_space(overrides: list[str], config: DictConfig) -> tuple[dict, dict]:
