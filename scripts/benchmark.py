@@ -36,6 +36,8 @@ and after its Linear (two more LayerNorms than ours and timm's), and its QKV pro
 no bias; ours and timm's are built with qkv_bias=False to match the latter.
 """
 
+# ruff: noqa: E402 - torch and the project are imported once --help has had its answer
+
 from __future__ import annotations
 
 import argparse
@@ -49,14 +51,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-from vit_mnist.hardware import cpu_class, cpu_name, has_native_bf16, isa_class
-from vit_mnist.models import VisionTransformer
-from vit_mnist.speed.choose import PATHS, choose, compile_step
-
 ARCHS = {
     # The default config's width, depth and heads.
     "default": dict(embed_dim=64, depth=6, num_heads=4, mlp_dim=128),
@@ -65,6 +59,45 @@ ARCHS = {
 IMG, CLASSES = 28, 10
 PATCH = 4  # --patch sets it
 PEERS = ("timm", "vit-pytorch")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; built before torch is imported, so that --help answers at once."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--patch", type=int, default=4, choices=[2, 4, 7, 14])
+    parser.add_argument("--steps", type=int, default=10, help="training steps per repetition")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--out", default="docs/benchmarks.md", help="Markdown file, or -")
+    parser.add_argument("--archs", nargs="+", choices=list(ARCHS), default=list(ARCHS))
+    parser.add_argument(
+        "--compile-archs",
+        nargs="*",
+        choices=list(ARCHS),
+        default=["default"],
+        help="architectures that also get the torch.compile rows (compiling takes minutes)",
+    )
+    parser.add_argument(
+        "--bf16",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="bf16 autocast rows: auto = where the hardware computes bf16",
+    )
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help (or a bad flag) answers here, before the imports
+
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vit_mnist.hardware import cpu_class, cpu_name, has_native_bf16, isa_class
+from vit_mnist.models import VisionTransformer
+from vit_mnist.speed.choose import PATHS, choose, compile_step
 
 
 def arch_label(name: str) -> str:
@@ -469,28 +502,7 @@ def merge(existing: str, section: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     global PATCH
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--patch", type=int, default=4, choices=[2, 4, 7, 14])
-    parser.add_argument("--steps", type=int, default=10, help="training steps per repetition")
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    parser.add_argument("--out", default="docs/benchmarks.md", help="Markdown file, or -")
-    parser.add_argument("--archs", nargs="+", choices=list(ARCHS), default=list(ARCHS))
-    parser.add_argument(
-        "--compile-archs",
-        nargs="*",
-        choices=list(ARCHS),
-        default=["default"],
-        help="architectures that also get the torch.compile rows (compiling takes minutes)",
-    )
-    parser.add_argument(
-        "--bf16",
-        choices=["auto", "yes", "no"],
-        default="auto",
-        help="bf16 autocast rows: auto = where the hardware computes bf16",
-    )
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     args.argv = argv
     PATCH = args.patch
     try:

@@ -17,19 +17,18 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import open_dict
-
-from vit_mnist.hardware import cpu_name
-from vit_mnist.tasks.train import train
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_once(callback_on: bool, overrides: list[str], out: Path) -> dict:
+    # Imported here, after the command line is read: --help answers without torch.
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from vit_mnist.tasks.train import train
+
     GlobalHydra.instance().clear()
     extra = [] if callback_on else ["~callbacks.attention_maps"]
     base = ["trainer=cpu", "trainer.max_epochs=1", "test=false", "~callbacks.progress_bar"]
@@ -49,6 +48,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.depth=4")
     args = parser.parse_args()
+    import torch  # after the parse: --help answers at once
+
+    from vit_mnist.hardware import cpu_name
+
     logging.getLogger("lightning").setLevel(logging.WARNING)
 
     loop: dict[bool, list[float]] = {True: [], False: []}

@@ -22,9 +22,6 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-from omegaconf import OmegaConf
-
 CHROMIUM = Path("/usr/bin/chromium")
 # No sandbox (containers run as root), no GPU, nothing fetched in the background.
 CHROMIUM_ARGS = [
@@ -69,6 +66,8 @@ def chromium_page(width: int = 1500, height: int = 1200) -> Iterator:
 def running_explorer(ckpt: str | Path, data_dir: str | Path = "data") -> Iterator[tuple]:
     """(explorer, url, page): the explorer of ``ckpt`` served on 127.0.0.1, a free port,
     and its Gradio page (closed on the way out)."""
+    from omegaconf import OmegaConf
+
     from vit_mnist.tasks.explore import build_page, launch, load_explorer
 
     cfg = OmegaConf.create(
@@ -250,17 +249,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", default="docs/explorer.md", help="the latency page")
     parser.add_argument("--caption", default="", help="a line about the checkpoint")
     parser.add_argument("--changes", type=int, default=20, help="input changes timed")
+    parser.add_argument(
+        "--size", default="1400x900", help="the browser window, WIDTHxHEIGHT in CSS px"
+    )
     args = parser.parse_args(argv)
     missing = browser_missing()
     if missing:
         print(f"error: {missing}")
         return 2
+    import torch  # after the parse: --help answers at once
+
     from vit_mnist.hardware import cpu_class, cpu_name
     from vit_mnist.io import atomic_write_bytes
 
     torch.set_num_threads(1)  # as scripts/explore.py runs
     load_before = os.getloadavg()[0]
-    with running_explorer(args.ckpt) as (explorer, url, _), chromium_page() as page:
+    width, height = map(int, args.size.split("x"))
+    with running_explorer(args.ckpt) as (explorer, url, _), chromium_page(width, height) as page:
         page.goto(url)
         wait_for_summary(page, "example 0")
         times = latency(page, args.changes, explorer.model.patch_embed.grid_size)

@@ -16,16 +16,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import hydra
-import torch
-from omegaconf import OmegaConf
-
-from vit_mnist.analysis import attention_rollout, class_relevance, cls_attention
-from vit_mnist.analysis.drawing import grey, labelled_grid, overlay
-from vit_mnist.errors import CheckpointError
-from vit_mnist.io import save_png
-from vit_mnist.training.checkpointing import load_model
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -34,6 +24,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", default="data", help="where the dataset's files are")
     parser.add_argument("--digits", type=int, default=8, help="columns: one per class, 1..10")
     args = parser.parse_args(argv)
+    # After the parse: --help answers without loading torch.
+    import hydra
+    import torch
+    from omegaconf import OmegaConf
+
+    from vit_mnist.analysis import attention_rollout, class_relevance, cls_attention
+    from vit_mnist.analysis.drawing import grey, labelled_grid, overlay
+    from vit_mnist.errors import CheckpointError
+    from vit_mnist.io import save_png
+    from vit_mnist.training.checkpointing import load_model
 
     try:
         module, data = load_model(args.checkpoint)

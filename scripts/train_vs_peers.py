@@ -26,6 +26,8 @@ stretches with whichever stretch those seconds fell in. ``--out`` writes a secti
 class to that Markdown file (replacing the same class's), as ``scripts/benchmark.py`` does.
 """
 
+# ruff: noqa: E402 - torch and the benchmark are imported once --help has had its answer
+
 from __future__ import annotations
 
 import argparse
@@ -36,6 +38,31 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; built before torch is imported, so that --help answers at once."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=2, help="train.py's trainer.max_epochs")
+    parser.add_argument("--steps", type=int, default=10, help="peer steps per repetition")
+    parser.add_argument("--reps", type=int, default=5, help="peer repetitions, at least")
+    parser.add_argument(
+        "--peer-seconds",
+        type=float,
+        default=None,
+        help="seconds the peers' loop runs at least (default: as long as the pair's train.py "
+        "run trained, its train_time_s)",
+    )
+    parser.add_argument("--warmup", type=int, default=3, help="untimed peer steps first")
+    parser.add_argument("--out", default="-", help="Markdown file to add the section to, or -")
+    parser.add_argument("--peers-only", metavar="SPEC", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="train.py's Hydra overrides")
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help (or a bad flag) answers here, before the imports
 
 import benchmark as bench
 import speedrun
@@ -207,22 +234,7 @@ def run_pairs(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=5)
-    parser.add_argument("--epochs", type=int, default=2, help="train.py's trainer.max_epochs")
-    parser.add_argument("--steps", type=int, default=10, help="peer steps per repetition")
-    parser.add_argument("--reps", type=int, default=5, help="peer repetitions, at least")
-    parser.add_argument(
-        "--peer-seconds",
-        type=float,
-        default=None,
-        help="seconds the peers' loop runs at least (default: as long as the pair's train.py "
-        "run trained, its train_time_s)",
-    )
-    parser.add_argument("--warmup", type=int, default=3, help="untimed peer steps first")
-    parser.add_argument("--out", default="-", help="Markdown file to add the section to, or -")
-    parser.add_argument("--peers-only", metavar="SPEC", help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help="train.py's Hydra overrides")
+    parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("pairs", "epochs", "steps", "reps"):
         if getattr(args, name) < 1:

@@ -126,6 +126,24 @@ def _deterministic_mode_put_back():
     torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
+def _run_dirs_in_the_checkout() -> set[Path]:
+    """What a run leaves in the checkout: run dirs (outputs/<task>/runs/<time>, and
+    multiruns), Hydra's and Lightning's default folders."""
+    made = {*ROOT.glob("outputs/*/*/*"), *ROOT.glob("multirun/*"), *ROOT.glob("lightning_logs")}
+    return made
+
+
+@pytest.fixture(autouse=True)
+def _writes_only_under_temporary_folders():
+    """Every test writes only under temporary folders (issue 102: one left
+    outputs/train/runs/<time>/.hydra in the checkout): a test that leaves a run dir there
+    errors, naming it."""
+    before = _run_dirs_in_the_checkout()
+    yield
+    left = sorted(map(str, _run_dirs_in_the_checkout() - before))
+    assert not left, f"the test wrote into the checkout: {left}"
+
+
 @pytest.fixture(scope="session")
 def mnist_dir():
     """The real MNIST files (fetched or rebuilt offline once); skips where impossible."""

@@ -96,7 +96,9 @@ def hydra_error(monkeypatch, capsys, *argv: str, task: str = "train") -> str:
     return line
 
 
-def test_hydra_errors_are_one_line(monkeypatch, capsys):
+def test_hydra_errors_are_one_line(monkeypatch, capsys, tmp_path):
+    # A run dir is made before the schema's check: in a temporary folder, not the checkout.
+    monkeypatch.chdir(tmp_path)
     typo = hydra_error(monkeypatch, capsys, "model.num_head=4")  # the nearest setting, not "+"
     assert "did you mean model.num_heads? (model.num_heads=4)" in typo
     # The schema (vit_mnist/settings.py), before any work; its other cases are in
@@ -223,6 +225,10 @@ def test_console_script_trains_with_user_overrides_then_eval_evaluates(
     assert not any(line.startswith("INFO: ") for line in lines), stderr
     assert "Tip" not in stdout + stderr
     assert "is deprecated" not in stderr
+    # Lines that told the user nothing (issue 102): "limit_*_batches=1.0 was configured" x 3
+    # and a summary that counted 0 FLOPs.
+    assert "was configured so" not in stdout + stderr
+    assert "Total FLOPs: 0" not in stdout and re.search(r"Total FLOPs: [1-9]", stdout), stdout
     warnings = [line for line in lines if re.search(r"\.py:\d+: ", line)]
     assert not warnings, warnings
     repeated = {line for line in logged if logged.count(line) > 1}
@@ -381,3 +387,102 @@ def test_no_regex_reads_a_hydra_message():
         source = path.read_text()
         handles = any(m in source for m in ("hydra.errors", "omegaconf.errors"))
         assert not (handles and re.search(r"^import re$", source, re.M)), path
+
+
+@pytest.mark.parametrize(
+    ("task", "typed"),
+    [
+        ("evaluate", 'circuits.pairs=[["4","9"]]'),  # was echoed as [[4,9]], a valid look
+        ("train", "seed=1.50"),
+        ("train", "model.dropout='0.1'"),
+    ],
+)
+def test_a_refused_value_is_echoed_as_typed(tmp_path, monkeypatch, capsys, task, typed):
+    monkeypatch.chdir(tmp_path)
+    args = [typed, "ckpt_path=x.ckpt", "analysis=circuits"] if task == "evaluate" else [typed]
+    code, _, stderr = in_process(monkeypatch, capsys, *args, task=task)
+    (line,) = stderr.strip().splitlines()
+    assert code == 2 and line.startswith(f"error: {typed} "), line
+    assert not list(tmp_path.rglob("*.json"))
+
+
+def test_a_sweep_with_cfg_job_is_one_line(tmp_path, monkeypatch, capsys):
+    # Before: Hydra's ValueError "Only one of --run, --multirun, --cfg, ..." as a traceback.
+    monkeypatch.chdir(tmp_path)
+    code, out, stderr = in_process(monkeypatch, capsys, "-m", "--cfg", "job", "data=synthetic")
+    assert code == 2 and stderr.strip().splitlines() == [
+        "error: -m and --cfg cannot go together: Hydra does one of them per command; to see a "
+        "sweep's config, print one job's (drop -m and give each key one value: --cfg job), or "
+        "run the sweep without --cfg"
+    ]
+    assert out == "" and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("task", "opening", "groups"),
+    [
+        ("train", "python train.py (or vit-mnist-train): train a Vision Transformer", 8),
+        ("evaluate", "python eval.py (or vit-mnist-eval): test a checkpoint", 3),
+        ("predict", "python scripts/predict.py (or vit-mnist-predict): predict the digit", 0),
+        ("export", "python scripts/export.py (or vit-mnist-export): write a checkpoint", 1),
+        ("explore", "python scripts/explore.py (or vit-mnist-explore): the attention", 1),
+    ],
+)
+def test_help_says_what_the_command_does_and_lists_only_what_it_reads(
+    tmp_path, monkeypatch, capsys, task, opening, groups
+):
+    """Issue 102: each --help opened with "cli is powered by Hydra" and listed every
+    config group, the training ones too for predict, export and explore."""
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = in_process(monkeypatch, capsys, "--help", task=task)
+    paragraph, commands, *rest = out.split("\n\n")
+    assert code == 0 and paragraph.startswith(opening) and "powered by Hydra" not in out
+    assert 2 <= sum(line.startswith("  python ") for line in commands.splitlines()) <= 3
+    listed = out.split("== Config groups (group=option) ==\n")[1:]
+    names = [
+        line.split(":")[0].strip() for line in (listed or [""])[0].split("\n\n")[0].split("\n")
+    ]
+    assert len([n for n in names if n]) == groups, names
+    if task != "train":
+        assert not {"model", "module", "callbacks", "experiment"} & set(names)
+    assert f"task_name: {'eval' if task == 'evaluate' else task}" in out  # its own keys
+
+
+def test_every_script_answers_help_before_importing_torch(tmp_path):
+    """Issue 102: four scripts took 25 to 36 s to print --help, importing torch (and the
+    project's models) first. Each now answers --help with the heavy parts not loaded: what
+    is checked here (not a time, which depends on the machine) is that no script's --help
+    imports torch, Lightning or Gradio."""
+    scripts = sorted(p for p in (ROOT / "scripts").glob("*.py") if p.name != "__init__.py")
+    program = f"""
+import contextlib, io, runpy, sys
+sys.path.insert(0, {str(ROOT / "scripts")!r})
+heavy = ("torch", "lightning", "gradio")
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    out = io.StringIO()
+    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(out):
+        runpy.run_path(path, run_name="__main__")
+    loaded = [m for m in heavy if m in sys.modules]
+    assert not loaded, f"{{path}} --help imported {{loaded}}"
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", program, *map(str, scripts)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_file_name_that_is_not_utf8_is_named_as_the_cause(tmp_path, monkeypatch, capsys):
+    # Before: "cannot read the override ... (quote lists and values with spaces: ...)",
+    # a cause that was not the one.
+    monkeypatch.chdir(tmp_path)
+    name = os.fsdecode(b"te\xffacher.ckpt")
+    line = hydra_error(
+        monkeypatch, capsys, "model.distillation=true", f"module.teacher_ckpt={name}"
+    )
+    assert line.startswith(r"error: cannot read the override module.teacher_ckpt=te\xffacher.ckpt")
+    assert "not UTF-8" in line and "quote" not in line

@@ -145,3 +145,24 @@ def test_a_colour_bar_says_what_its_ends_are():
     rows = [r for r in range(below.shape[1]) if (below[:, r, 0] == first).all()]
     assert rows and (below[:, rows[0], 199] == last).all()
     assert ink(below[:, : rows[0]]).any() and ink(below[:, rows[-1] + 1 :]).any()  # the words
+
+
+def test_a_map_is_drawn_as_one_flat_block_per_token_with_the_grid_visible():
+    """Issue 102: a 4 x 4 token map was upsampled bilinearly to 28 x 28, which suggests a
+    finer resolution than the tokens have. Now each token is one colour over its 7 x 7
+    pixels, and the first pixel row and column of each token (but the image's edge) is
+    the grid line, the same colour darkened."""
+    from vit_mnist.analysis.drawing import overlay
+
+    maps = torch.arange(16.0).reshape(1, 4, 4)  # every token its own value
+    picture = overlay(torch.rand(1, 1, 28, 28) * 0 + 0.5, maps)[0]  # (3, 28, 28)
+    blocks = picture.unfold(1, 7, 7).unfold(2, 7, 7)  # (3, 4, 4, 7, 7): token rows, cols
+    inside = blocks[..., 1:, 1:]
+    assert torch.equal(inside, inside[..., :1, :1].expand_as(inside))  # flat
+    colours = inside[..., 0, 0].flatten(1).T  # (16, 3)
+    assert len({tuple(c.tolist()) for c in colours}) == 16
+    # The lines between tokens, and none along the image's own edge.
+    torch.testing.assert_close(picture[:, 7, 8], 0.75 * picture[:, 8, 8])
+    torch.testing.assert_close(picture[:, 8, 14], 0.75 * picture[:, 8, 15])
+    torch.testing.assert_close(picture[:, 0, 1], picture[:, 1, 1])
+    torch.testing.assert_close(picture[:, 1, 0], picture[:, 1, 1])

@@ -403,7 +403,11 @@ def test_what_each_head_writes_is_its_direct_logit_attribution(explorer):
     # The plot's lines keep their names from image to image: Gradio's line plot draws no
     # line whose name was not in its first picture.
     assert tuple(view.lens["line"].unique()) == explorer_module.LENS_LINES
-    last = view.lens[view.lens["after block"] == len(model.blocks) - 1]
+    # Whole blocks on its axis (issue 102: a number axis ticked 0.5, 1.5, ...): the
+    # blocks as labels, in the order the plot is told.
+    blocks = [str(b) for b in range(len(model.blocks))]
+    assert list(view.lens["after block"].unique()) == blocks
+    last = view.lens[view.lens["after block"] == blocks[-1]]
     predicted = f"class {explorer.class_names[e.predicted]}"
     top = float(last[last["class"] == predicted]["probability %"].iloc[0])
     assert top == pytest.approx(100 * float(e.probs.max()), abs=1e-3)

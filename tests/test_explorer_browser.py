@@ -73,3 +73,26 @@ def test_draw_clear_upload_and_switch_a_head_off(tmp_path):
         assert [f for f in made if f.exists()] == []
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("width", [1024, 1400, 1920])
+def test_the_gallery_shows_all_ten_examples_at_common_widths(tmp_path, width):
+    """Issue 102: at 1 400 px wide the examples gallery showed 8 of its 10 digits (the 4
+    and the 9 cut off on the right). Every example is now whole inside the gallery."""
+    ckpt = save_ckpt(tmp_path / "tiny.ckpt", tiny_module())
+    with running_explorer(ckpt) as (explorer, url, _), chromium_page(width, 900) as page:
+        page.goto(url)
+        wait_for_summary(page, "example 0")
+        boxes = page.evaluate(
+            """() => {
+                const wrap = document.querySelector('#examples .grid-wrap').getBoundingClientRect();
+                const tiles = [...document.querySelectorAll('#examples img')];
+                return [[wrap.left, wrap.right, wrap.top], tiles.map(i => {
+                    const r = i.getBoundingClientRect();
+                    return [r.left, r.right, r.top, r.width];
+                })];
+            }"""
+        )
+    (left, right, top), tiles = boxes
+    assert len(tiles) == len(explorer.examples[0]) == 10
+    assert all(left <= a and b <= right + 0.5 and t >= top and w > 20 for a, b, t, w in tiles)

@@ -1,4 +1,4 @@
-"""scripts/export.py: ONNX and TorchScript models that give PyTorch's logits."""
+"""scripts/export.py: ONNX, torch.export and TorchScript models that give PyTorch's logits."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 
 from tests.conftest import TINY_MODEL, compose_config
 from vit_mnist.errors import ConfigError
+from vit_mnist.settings import EXPORT_FORMATS
 from vit_mnist.tasks.export import export, run_exported
 from vit_mnist.tasks.train import train
 
@@ -20,7 +21,7 @@ def checkpoint(tmp_path_factory):
     return train(compose_config("train", overrides, out))["best_ckpt"]
 
 
-@pytest.mark.parametrize("fmt", ["onnx", "torchscript"])
+@pytest.mark.parametrize("fmt", ["onnx", "exported", "torchscript"])
 def test_export_gives_pytorch_logits_for_any_batch(checkpoint, tmp_path, fmt):
     if fmt == "onnx":
         pytest.importorskip("onnxruntime")
@@ -32,13 +33,56 @@ def test_export_gives_pytorch_logits_for_any_batch(checkpoint, tmp_path, fmt):
     assert result["num_images"] == 100
     assert result["max_abs_diff"] < 1e-4
     assert result["classes_agree"] == 100
-    exported = next(tmp_path.glob(f"*.{'onnx' if fmt == 'onnx' else 'pt'}"))
+    exported = next(tmp_path.glob(f"*{EXPORT_FORMATS[fmt]}"))
     assert str(exported) == result["path"]
     assert not list(tmp_path.glob(".*.tmp*"))  # the temporary file was renamed
     # The batch axis is dynamic: 1 image and 7 images through the same file.
     for n in (1, 7):
         logits = run_exported(fmt, exported, torch.rand(n, 1, 28, 28))
         assert logits.shape == (n, 10) and torch.isfinite(logits).all()
+
+
+def test_an_exported_program_loads_with_pytorch_alone(checkpoint, tmp_path):
+    """Issue 102: format=exported writes a torch.export program (.pt2) that a process
+    without this project (no vit_mnist import) loads with torch.export.load and runs at
+    any batch size, giving the logits the export was checked with."""
+    import subprocess
+    import sys
+
+    cfg = compose_config(
+        "export", [f"ckpt_path={checkpoint}", "format=exported", "check_images=20"], tmp_path
+    )
+    path = export(cfg)["path"]
+    assert path.endswith(".pt2")
+    pixels = torch.rand(5, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    torch.save(pixels, tmp_path / "pixels.pt")
+    program = (
+        "import sys, torch; m = torch.export.load(sys.argv[1]).module(); "
+        "x = torch.load(sys.argv[2]); torch.save([m(x), m(x[:1])], sys.argv[3]); "
+        "assert not any(n.startswith('vit_mnist') for n in sys.modules)"
+    )
+    subprocess.run(
+        [sys.executable, "-c", program, path, tmp_path / "pixels.pt", tmp_path / "out.pt"],
+        check=True,
+        cwd=tmp_path,  # not the checkout: vit_mnist is not importable by accident
+    )
+    five, one = torch.load(tmp_path / "out.pt")
+    expected = run_exported("exported", path, pixels)
+    torch.testing.assert_close(five, expected)
+    torch.testing.assert_close(one, expected[:1])
+
+
+def test_torchscript_says_once_in_our_words_that_pytorch_deprecates_it(
+    checkpoint, tmp_path, capsys, recwarn
+):
+    # Before: four FutureWarnings from torch.jit.trace, save and load (torch 2.14).
+    cfg = compose_config(
+        "export", [f"ckpt_path={checkpoint}", "format=torchscript", "check_images=20"], tmp_path
+    )
+    export(cfg)
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]
+    out = capsys.readouterr().out
+    assert out.count("deprecates TorchScript") == 1 and "format=exported" in out
 
 
 def test_unknown_format_is_named(checkpoint, tmp_path):

@@ -307,3 +307,33 @@ def test_readme_layout_matches_git_ls_files():
     assert not missing, f"README's Layout names paths that git does not track: {missing}"
     unlisted = [f for f in tracked if not any(covers(e, f) for e in listed)]
     assert not unlisted, f"tracked files that README's Layout does not name: {unlisted}"
+
+
+def _broken_links(markdown: Path) -> list[str]:
+    """The relative links of a Markdown file whose target (a file or folder, the anchor
+    left out) does not exist, resolved from the file's own folder as a reader's viewer
+    resolves them."""
+    text = markdown.read_text(encoding="utf-8")
+    text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks hold no links
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        path = target.split("#", 1)[0]
+        if not path or re.match(r"[a-z]+:", path):  # an anchor here, or a URL
+            continue
+        if not (markdown.parent / path).exists():
+            broken.append(target)
+    return broken
+
+
+def test_links_in_the_docs_resolve():
+    # Issue 102: docs/explorer_guide.md linked docs/explorer.md, from docs/.
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    broken = {str(f.relative_to(ROOT)): b for f in files if (b := _broken_links(f))}
+    assert not broken
+
+
+def test_the_link_check_catches_a_link_from_the_wrong_folder(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("[b](b.md) [c](docs/b.md) [web](https://x.y/z)")
+    (tmp_path / "docs" / "b.md").write_text("")
+    assert _broken_links(tmp_path / "docs" / "a.md") == ["docs/b.md"]

@@ -29,6 +29,7 @@ def test_a_three_trial_optuna_study_optimises_validation_accuracy(tmp_path, monk
         "-m",
         "hparams_search=mnist_optuna",
         "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.pruner=null",  # its warm-up (4 epochs) is longer than these trials
         *ONE_EPOCH,
         *TINY_MODEL,
     )
@@ -62,6 +63,7 @@ def test_a_study_records_a_failed_trial_goes_on_and_minimises_a_loss(tmp_path, m
         "hparams_search=mnist_optuna",
         "optimized_metric=val/loss",
         "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.pruner=null",
         "hydra.sweeper.sampler.seed=6",  # draws 2, 3, 2 heads
         "model.num_heads=choice(2,3)",
         *ONE_EPOCH,
@@ -236,7 +238,11 @@ def test_a_study_stopped_by_ctrl_c_keeps_the_trials_it_finished(tmp_path):
         params=OmegaConf.create({"module.lr": "interval(0.001, 0.01)"}),
     )
     sweeper.config = OmegaConf.create(
-        {"optimized_metric": "val/loss", "hydra": {"sweep": {"dir": str(tmp_path)}}}
+        {
+            "optimized_metric": "val/loss",
+            "module": {"lr": 0.002},  # the key the space sweeps must exist
+            "hydra": {"sweep": {"dir": str(tmp_path)}},
+        }
     )
     sweeper.launcher = InterruptedSecondJob()
     with pytest.raises(KeyboardInterrupt):
@@ -314,3 +320,83 @@ def test_a_disk_that_fills_while_tensorboard_writes_is_one_line(tmp_path, monkey
     assert code == 2 and "Traceback" not in stderr and "Exception in thread" not in stderr
     (line,) = [x for x in stderr.splitlines() if x.startswith("error:")]
     assert line.startswith(f"error: cannot write the run's files in {run_dir}: No space left")
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        # Before: a 35-line traceback from Optuna.
+        (
+            "module.lr=tag(log, interval(-1, 1e-2))",
+            "the search space's module.lr=tag(log, interval(-1, 1e-2)): a log scale needs "
+            "bounds > 0, and the low bound is -1; e.g. tag(log, interval(0.0001, 0.01))",
+        ),
+        (
+            "module.lr=interval(1e-2,1e-3)",
+            "the search space's module.lr=interval(1e-2,1e-3): interval(low, high) needs "
+            "low < high; write interval(0.001, 0.01)",
+        ),
+        (
+            "model.depth=range(5,1)",
+            "the search space's model.depth=range(5,1): range(5, 1) holds no value; "
+            "e.g. range(1, 5)",
+        ),
+        (
+            "model.num_head=choice(2,4)",
+            "the search space's model.num_head=choice(2,4): model.num_head is not a setting "
+            "of model; did you mean model.num_heads? (model.num_heads=choice(2,4))",
+        ),
+        (
+            "model.dropout=choice(0.1,1.5)",
+            "the search space's model.dropout=choice(0.1,1.5) draws a value the setting "
+            "refuses: model.dropout=1.5 must be in [0, 1); e.g. model.dropout=0.1",
+        ),
+        # Before: accepted, exit 0, and a line promising a results file never written.
+        ("hydra.sweeper.n_trials=0", "hydra.sweeper.n_trials=0 must be >= 1; e.g. "),
+        ("hydra.sweeper.n_trials=-3", "hydra.sweeper.n_trials=-3 must be >= 1; e.g. "),
+        # Before: accepted, and the median pruner's 4-epoch warm-up outlasted the 1-epoch
+        # trials: it never pruned.
+        (
+            "hydra.sweeper.n_trials=1",
+            "hydra.sweeper.pruner.n_warmup_steps=4: the pruner may stop a trial from epoch 4 "
+            "on, and each trial runs trainer.max_epochs=1 (epochs 0 to 0), so it would never "
+            "prune; lower n_warmup_steps below 1, or turn the pruner off with "
+            "hydra.sweeper.pruner=null",
+        ),
+        # Before: Hydra's "Sweeping over Hydra's configuration is not supported".
+        (
+            "hydra.sweeper.params.module.lr=interval(1e-3,1e-2)",
+            "hydra.sweeper.params.module.lr=interval(1e-3,1e-2): a search-space entry is "
+            "given on the command line by its key alone, 'module.lr=interval(1e-3,1e-2)', "
+            "and joins hydra.sweeper.params",
+        ),
+        # Before: Hydra's own line, with its HYDRA_FULL_ERROR advice.
+        (
+            "hydra.sweeper.pruner._target_=optuna.pruners.Nope",
+            "hydra.sweeper.pruner._target_=optuna.pruners.Nope cannot be imported "
+            "(optuna.pruners has no 'Nope'); check its spelling",
+        ),
+        (
+            "hydra.sweeper.pruner.n_warmup_steps=-2",
+            "hydra.sweeper.pruner: optuna.pruners.MedianPruner refuses its arguments "
+            "(Number of warmup steps cannot be negative but got -2.); fix them, e.g. ",
+        ),
+        (
+            "~hydra.sweeper.sampler|+hydra.sweeper.sampler={_target_:optuna.pruners.MedianPruner}",
+            "hydra.sweeper.sampler._target_=optuna.pruners.MedianPruner is not an Optuna "
+            "sampler; use one of optuna.samplers's, e.g. ",
+        ),
+    ],
+)
+def test_a_search_is_checked_before_its_first_trial(tmp_path, monkeypatch, capsys, override, line):
+    """Issue 102: the search space, n_trials, the pruner and the sampler go through the
+    checks before any trial: one line in the user's words (the entry as written), exit 2,
+    no run dir of a trial and no results file."""
+    monkeypatch.chdir(tmp_path)
+    tiny = ["hydra.sweeper.n_trials=1", *ONE_EPOCH, *TINY_MODEL]  # what would run
+    code, _, stderr = in_process(
+        monkeypatch, capsys, "-m", "hparams_search=mnist_optuna", *tiny, *override.split("|")
+    )
+    (said,) = stderr.strip().splitlines()
+    assert code == 2 and said.startswith(f"error: {line}"), said
+    assert not list(tmp_path.rglob("*.json")) and not list(tmp_path.rglob("*.yaml"))

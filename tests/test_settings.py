@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -221,9 +222,9 @@ def test_the_settings_and_the_teacher_are_checked_once_per_run(tmp_path, monkeyp
     schema_checks, teacher_checks = [], []
     check_arguments, check_teacher = settings.check_arguments, checks.check_teacher
 
-    def counted_arguments(section, values, prefix=""):
+    def counted_arguments(section, values, prefix="", typed=None):
         schema_checks.append(section) if section is settings.TrainSettings else None
-        return check_arguments(section, values, prefix)
+        return check_arguments(section, values, prefix, typed)
 
     def counted_teacher(*args, **kwargs):
         teacher_checks.append(args)
@@ -235,3 +236,41 @@ def test_the_settings_and_the_teacher_are_checked_once_per_run(tmp_path, monkeyp
     code, _, err = in_process(monkeypatch, capsys, *ONE_EPOCH, *TINY_MODEL, run)
     assert code == 0, err[-3000:]
     assert len(schema_checks) == 1 and len(teacher_checks) == 1
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        # Before: Lightning's traceback (1.5), or accepted (1: the weights the run started
+        # from; 0 steps between updates: never updated).
+        ("callbacks.ema.decay=1.5", "callbacks.ema.decay=1.5 must be in [0, 1)"),
+        ("callbacks.ema.decay=1", "callbacks.ema.decay=1 must be in [0, 1)"),
+        ("+callbacks.ema.update_every_n_steps=0", "callbacks.ema.update_every_n_steps=0 must be"),
+    ],
+)
+def test_an_ema_that_would_not_average_is_refused_by_the_schema(make_train_cfg, override, line):
+    from vit_mnist.tasks.train import train
+
+    with pytest.raises(ConfigError, match=f"^{re.escape(line)}"):
+        train(make_train_cfg("callbacks=[default,ema]", override))
+
+
+def test_an_ema_that_starts_after_the_last_step_is_refused_before_training(make_train_cfg):
+    """Issue 102's audit: `callbacks.ema.update_starting_at_step` past the run's end was
+    accepted, and the run validated, saved and tested the weights it started from."""
+    from vit_mnist.tasks.train import train
+
+    cfg = make_train_cfg("callbacks=[default,ema]", "callbacks.ema.update_starting_at_step=16")
+    with pytest.raises(ConfigError, match=r"update_starting_at_step=16, and this run's last step"):
+        train(cfg)  # 2 epochs of 8 batches: steps 0 to 15
+    assert not list(Path(cfg.paths.output_dir).rglob("*.ckpt"))
+
+
+def test_a_distillation_temperature_that_is_not_finite_is_refused():
+    # Issue 102's audit: inf passed `> 0`; it softens every output to uniform, and the
+    # loss (times tau**2) to NaN.
+    from vit_mnist.settings import ModuleSettings, check_arguments
+
+    with pytest.raises(ConfigError, match=r"^module.distillation_tau=inf must be a finite number"):
+        check_arguments(ModuleSettings, {"distillation_tau": float("inf")}, prefix="module.")
+    check_arguments(ModuleSettings, {"distillation_tau": 3.0}, prefix="module.")

@@ -172,3 +172,24 @@ def test_stem_channels_differ_only_where_the_network_uses_them():
         "model.stem_strides: [2, 2] (checkpoint) vs [2, 1] (config)"
     ]
     assert model_differences(patch | old, patch | {"stem_strides": None}) == []
+
+
+def test_a_conv_stem_with_no_convolution_is_refused_not_trained_as_the_patch_stem(tmp_path):
+    """Issue 102: `model.stem=conv 'model.stem_channels=[]' 'model.stem_strides=[]'` trained
+    the patch stem's 205 962 parameters while every record said conv."""
+    overrides = ["data=synthetic", "trainer=cpu", *TINY_MODEL, "model.stem=conv"]
+    empty = [*overrides, "model.stem_channels=[]", "model.stem_strides=[]"]
+    with pytest.raises(ConfigError, match=r"^model.stem_channels=\[\] must not be empty"):
+        train(compose_config("train", empty, tmp_path))
+    assert not (tmp_path / "metrics.json").exists()
+    # A Python caller (or a checkpoint) gets the same refusal from the constructor.
+    with pytest.raises(ConfigError, match="no convolution, which is the patch stem"):
+        VisionTransformer(patch_size=4, stem="conv", stem_channels=[], stem_strides=[])
+
+
+def test_a_stem_given_to_the_convnet_is_refused_in_one_line(tmp_path):
+    # Issue 102's audit of the stem: `model=cnn +model.stem=conv` was a TypeError traceback.
+    overrides = ["data=synthetic", "trainer=cpu", "model=cnn", "+model.stem=conv"]
+    with pytest.raises(ConfigError, match=r"^model.stem: not a setting of the convnet"):
+        train(compose_config("train", overrides, tmp_path))
+    assert not (tmp_path / "metrics.json").exists()

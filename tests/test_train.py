@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,12 @@ def test_schedule_epochs_makes_a_short_run_the_start_of_a_longer_one():
     full = learning_rates(8)
     assert learning_rates(2, schedule_epochs=8) == full[:20]
     assert learning_rates(2) != full[:20]  # its own cosine, ended after 2 epochs
+
+
+def test_the_model_summary_counts_flops_through_an_augmenting_datamodule(make_train_cfg, capsys):
+    """The summary runs ViTClassifier.example_input_array (one image, for a FLOPs count that
+    is not 0) through the datamodule's batch hook, which augments (images, labels) batches
+    only: an augmenting run starts, and its summary names the FLOPs."""
+    metrics = train(make_train_cfg("+data.augment={degrees:10.0,translate:0.1}"))
+    assert metrics["epochs"] == 2
+    assert re.search(r"Total FLOPs: [1-9]", capsys.readouterr().out)

@@ -2,6 +2,7 @@
 
 import importlib
 import importlib.abc
+import importlib.resources
 import importlib.util
 import os
 import sys
@@ -12,6 +13,22 @@ from omegaconf import OmegaConf
 # Hydra's ${hydra:runtime.cwd} says the same but cannot be resolved while a multirun names
 # its sweep dir (outputs/<task>/multiruns/...), before any job has started.
 OmegaConf.register_new_resolver("vit_mnist.cwd", os.getcwd, replace=True)
+
+
+def _groups(*names: str) -> str:
+    """``${vit_mnist.groups:data,trainer}``: each named config group of ``configs/`` with its
+    options (the YAML files in its folder), a line each: a command's ``--help`` lists the
+    groups it reads (configs/<command>.yaml, ``hydra.help``), the options from one place."""
+    configs = importlib.resources.files("vit_mnist.configs")
+    lines = []
+    for name in names:
+        files = configs.joinpath(name).iterdir()
+        options = sorted(f.name[: -len(".yaml")] for f in files if f.name.endswith(".yaml"))
+        lines.append(f"  {name}: {', '.join(options)}")
+    return "\n".join(lines)
+
+
+OmegaConf.register_new_resolver("vit_mnist.groups", _groups, replace=True)
 
 # `logger=mlflow` keeps everything on the machine: MLflow's client would otherwise send
 # usage reports to its makers. A user who sets the variable decides for themselves.

@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from hydra_plugins.vit_mnist_study import StudySweeper
 from vit_mnist import errors
 from vit_mnist.errors import USER_ERRORS, exit_on_user_error, multirun_job_dir, stops_in_one_line
-from vit_mnist.hydra_errors import hydra_error_line
+from vit_mnist.hydra_errors import hydra_error_line, split_overrides
 
 CONFIG_PATH = "pkg://vit_mnist.configs"
 
@@ -94,11 +94,15 @@ def _start(task: str, cfg: DictConfig) -> ModuleType:
     a multirun it alone checks, so that a bad job is recorded once and the sweep goes on.
     Ctrl-C during the imports ends the program with one line and status 130.
     """
+    from hydra.core.hydra_config import HydraConfig
+
     from vit_mnist.settings import SETTINGS, check_settings
 
     _STARTED.append(task)
     if multirun_job_dir() is None:
-        exit_on_user_error(check_settings)(cfg, SETTINGS[task], targets=False)
+        # The overrides as typed (quoting included), for the error line to echo them.
+        typed = {k: v for p, k, v in split_overrides(HydraConfig.get().overrides.task) if p != "~"}
+        exit_on_user_error(check_settings)(cfg, SETTINGS[task], targets=False, typed=typed)
     try:
         module = importlib.import_module(f"vit_mnist.tasks.{task}")
         from vit_mnist.console import quiet_console

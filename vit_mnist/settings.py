@@ -50,8 +50,9 @@ SEARCH_METRICS = {"val/acc_best": "maximize", "val/acc": "maximize", "val/loss":
 # et al., the MNIST page), leaving 4 pixels on each side: a test-time shift of at most 4
 # keeps the whole digit inside the frame (issue 55: 98.4% reported as 12.7% at 100 pixels).
 MAX_TEST_TIME_SHIFT = 4
-# scripts/export.py's formats and the file suffix each writes.
-EXPORT_FORMATS = {"onnx": ".onnx", "torchscript": ".pt"}
+# scripts/export.py's formats and the file suffix each writes: ONNX, a torch.export program
+# (the format PyTorch recommends for deployment) and TorchScript (deprecated by PyTorch).
+EXPORT_FORMATS = {"onnx": ".onnx", "exported": ".pt2", "torchscript": ".pt"}
 # ``eval.py analysis=prune``'s orders: what ranks the heads for removal (the measures of
 # vit_mnist.analysis.pruning.MEASURES, which reads them here).
 PRUNE_ORDERS = ("gradient", "ablation", "logit_attribution", "patching", "random")
@@ -110,7 +111,9 @@ def Precision(v: Any) -> str | None:  # noqa: N802
 
 @_checked
 def Batches(v: Any) -> str | None:  # noqa: N802
-    # Lightning: an int is a number of batches, a float a fraction of the epoch.
+    # Lightning: an int is a number of batches, a float a fraction of the epoch, None all.
+    if v is None:
+        return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return "must be a number of batches (int) or a fraction of the epoch (float)"
     if isinstance(v, float) and not 0.0 <= v <= 1.0:
@@ -217,7 +220,8 @@ DATA_MODULES = (
 # Settings of a built section that are no constructor's argument (model.arch chooses the
 # constructor): any other range without its argument is an error in the schema.
 NOT_ARGUMENTS = {"arch"}
-_Positive = list[Annotated[int, Field(ge=1)]] | None
+# A conv stem of no convolution would be the patch stem under another name: at least one.
+_Positive = Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)] | None
 MODEL_RANGES: dict[str, Any] = {
     # Not a constructor argument: which constructor (build_model).
     "arch": (Literal[tuple(MODEL_CLASSES)], _f("model=cnn")),
@@ -253,7 +257,8 @@ MODULE_RANGES: dict[str, Any] = {
     "label_smoothing": _f("module.label_smoothing=0.1", ge=0, lt=1),
     "test_time_shift": _shift("module.test_time_shift"),
     "teacher_ckpt": _f("module.teacher_ckpt=PATH/best.ckpt"),
-    "distillation_tau": _f("module.distillation_tau=3", gt=0),
+    # inf would soften every output to uniform (and the loss, times tau**2, to NaN).
+    "distillation_tau": _f("module.distillation_tau=3", gt=0, allow_inf_nan=False),
 }
 DATA_RANGES: dict[str, Any] = {
     "data_dir": (str | None, _f()),
@@ -417,6 +422,19 @@ class ModelCheckpointSettings(OpenBuilt):
     mode: Literal["min", "max"] = _f("callbacks.model_checkpoint.mode=max")
 
 
+class EMASettings(OpenBuilt):
+    """``callbacks.ema``, Lightning's ``EMAWeightAveraging`` (configs/callbacks/ema.yaml). A
+    start after the run's last step is refused by ``ViTClassifier`` once the run's length
+    is known."""
+
+    # 1 would keep the weights the run started from; above 1 the average diverges.
+    decay: float = _f("callbacks.ema.decay=0.999", ge=0, lt=1)
+    # 0 never updates the average (Lightning takes it as "never").
+    update_every_n_steps: int = _f("callbacks.ema.update_every_n_steps=1", ge=1)
+    update_starting_at_step: int | None = _f("callbacks.ema.update_starting_at_step=100", ge=0)
+    update_starting_at_epoch: int | None = _f("callbacks.ema.update_starting_at_epoch=1", ge=0)
+
+
 class CallbacksSettings(Section):
     """The callbacks by name (configs/callbacks/); any other may be added."""
 
@@ -424,6 +442,7 @@ class CallbacksSettings(Section):
 
     last_checkpoint: LastCheckpointSettings | None = None
     model_checkpoint: ModelCheckpointSettings | None = None
+    ema: EMASettings | None = None
 
 
 class TrainSettings(Section):
@@ -533,6 +552,22 @@ class ExploreSettings(Section):
     paths: dict[str, Any] = None
 
 
+class StudySettings(Section):
+    """``hydra.sweeper`` of an Optuna study (configs/hydra/sweeper/study.yaml), checked by
+    the sweeper (hydra_plugins/vit_mnist_study) before its first trial; the sampler and
+    the pruner are built there, each key an argument of its ``_target_``."""
+
+    target: str = Field(None, alias="_target_")
+    recursive: bool = Field(None, alias="_recursive_")
+    n_trials: int = _f("hydra.sweeper.n_trials=20", ge=1)
+    n_jobs: int = _f("hydra.sweeper.n_jobs=1", ge=1)
+    study_name: str | None = _f("hydra.sweeper.study_name=mnist_optuna")
+    sampler: dict[str, Any] = None
+    pruner: dict[str, Any] | None = None
+    # {key: Hydra's sweep syntax}: its bounds are checked against TrainSettings.
+    params: dict[str, Any] | None = None
+
+
 # The settings of each command, by the name of its function in vit_mnist.cli.
 SETTINGS: dict[str, type[Section]] = {
     "train": TrainSettings,
@@ -561,6 +596,7 @@ _HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_recursive_", "_convert_"}
 _KINDS = {
     "int_type": "a whole number",
     "float_type": "a number",
+    "finite_number": "a finite number",
     "bool_type": "true or false",
     "string_type": "a string",
     "list_type": "a list of numbers, such as [0.9,0.999]",
@@ -660,6 +696,8 @@ def _range(field: Any, item: bool) -> str:
         items = field.annotation
         if typing.get_origin(items) is not list:  # list[...] | None
             (items,) = (a for a in typing.get_args(items) if a is not type(None))
+        if typing.get_origin(items) is Annotated:  # a list with a length: Annotated[list, ...]
+            items = typing.get_args(items)[0]
         (inner,) = typing.get_args(items)
         metadata = typing.get_args(inner)[1].metadata
     bound = {k: getattr(m, k) for m in metadata for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}
@@ -676,8 +714,11 @@ def _range(field: Any, item: bool) -> str:
     return f"{'<=' if high[0] == ']' else '<'} {show(high[1])}"
 
 
-def _one_line(error: dict[str, Any], cls: type[Section], values: dict, prefix: str) -> str:
-    """The project's line for pydantic's ``error`` on ``values`` (checked against ``cls``)."""
+def _one_line(
+    error: dict[str, Any], cls: type[Section], values: dict, prefix: str, typed: dict[str, str]
+) -> str:
+    """The project's line for pydantic's ``error`` on ``values`` (checked against ``cls``),
+    showing a value as ``typed`` has it (``{key: the override's value as typed}``)."""
     names = [p for p in error["loc"] if isinstance(p, str)]
     item = len(names) < len(error["loc"])  # an item of a list
     node, section = values, cls
@@ -689,7 +730,7 @@ def _one_line(error: dict[str, Any], cls: type[Section], values: dict, prefix: s
         target = _target_args(node) if len(names) > 1 or prefix else []
         return unknown_key(key, cls, candidates=[*_names(section), *target])
     field = _field(section, names[-1])
-    value = node[names[-1]]
+    value = typed.get(key, node[names[-1]])  # a str as typed: _show keeps it as it is
     fix = f"; e.g. {field.examples[0]}" if field.examples else ""
     kind = error["type"]
     if kind in _KINDS:
@@ -699,6 +740,8 @@ def _one_line(error: dict[str, Any], cls: type[Section], values: dict, prefix: s
         return f"{key}={_show(value)} is not one of {[_show(c) for c in choices]}"
     if kind in ("too_short", "too_long"):
         length = error["ctx"].get("min_length", error["ctx"].get("max_length"))
+        if kind == "too_short" and length == 1:
+            return f"{key}={_show(value)} must not be empty{fix}"
         return f"{key}={_show(value)} must have {length} values{fix}"
     if kind.startswith(("greater_than", "less_than")):
         each = ": each value" if item else ""
@@ -708,9 +751,17 @@ def _one_line(error: dict[str, Any], cls: type[Section], values: dict, prefix: s
     return f"{key}={_show(value)}: {error['msg']}{fix}"
 
 
-def check_arguments(section: type[Section], values: dict[str, Any], prefix: str = "") -> None:
+def check_arguments(
+    section: type[Section],
+    values: dict[str, Any],
+    prefix: str = "",
+    typed: dict[str, str] | None = None,
+) -> None:
     """Check keyword arguments against one section of the schema (e.g. ``ModelSettings``):
     what ``train()`` runs on a model's arguments before any data is loaded.
+
+    ``typed``: the command line's overrides, ``{key: value as typed}``, so that the line
+    echoes a value as the user wrote it (``[["4","9"]]``, not ``[[4,9]]``).
 
     Raises:
         ConfigError: the first key that is undeclared, of the wrong type or out of range,
@@ -721,7 +772,21 @@ def check_arguments(section: type[Section], values: dict[str, Any], prefix: str 
     try:
         section.model_validate(values)
     except ValidationError as e:
-        raise ConfigError(_one_line(e.errors()[0], section, values, prefix)) from None
+        raise ConfigError(_one_line(e.errors()[0], section, values, prefix, typed or {})) from None
+
+
+def check_value(schema: type[Section], key: str, value: Any) -> None:
+    """Check one setting, ``key`` (dotted, such as ``"module.lr"``) set to ``value``, against
+    ``schema`` as the whole config's check would: its type, range or choices. A key that
+    ``schema`` does not declare is left to the caller.
+
+    Raises:
+        ConfigError: the line :func:`check_arguments` gives, naming ``key``.
+    """
+    section, _, name = key.rpartition(".")
+    cls = _section(schema, section)
+    if cls is not None and name in _names(cls):
+        check_arguments(cls, {name: value}, prefix=f"{section}." if section else "")
 
 
 def import_target(target: str) -> Any:
@@ -766,7 +831,7 @@ def _target_args(node: Any) -> list[str]:
     return []
 
 
-def _check_target(key: str, node: Any) -> None:
+def check_target(key: str, node: Any) -> None:
     """Every key of an instantiated section must be an argument of its ``_target_``."""
     if not isinstance(node, dict) or "_target_" not in node:
         return
@@ -792,9 +857,9 @@ def _check_target(key: str, node: Any) -> None:
             )
         if isinstance(value, list):
             for i, item in enumerate(value):
-                _check_target(f"{key}.{name}[{i}]", item)
+                check_target(f"{key}.{name}[{i}]", item)
         else:
-            _check_target(f"{key}.{name}", value)
+            check_target(f"{key}.{name}", value)
 
 
 # The schema and the values that last passed it: the command line checks them before the
@@ -803,7 +868,12 @@ def _check_target(key: str, node: Any) -> None:
 _passed: tuple[type[Section], dict[str, Any]] | None = None
 
 
-def check_settings(cfg: DictConfig, schema: type[Section], targets: bool = True) -> dict[str, Any]:
+def check_settings(
+    cfg: DictConfig,
+    schema: type[Section],
+    targets: bool = True,
+    typed: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Check every key of ``cfg`` against ``schema`` (one of the ``*Settings`` classes).
 
     Order: interpolations resolve; every key is declared (or, in an open section such as
@@ -812,7 +882,7 @@ def check_settings(cfg: DictConfig, schema: type[Section], targets: bool = True)
     (``trainer``, ``data``, ``module``, each callback and logger) takes only arguments of
     that class, which imports it (torch, Lightning: seconds; without, no torch is needed).
     Values that passed ``schema`` just before (the command line's check of the same run)
-    are not checked against it again.
+    are not checked against it again. ``typed``: see :func:`check_arguments`.
 
     Returns:
         The resolved settings as plain Python values.
@@ -833,13 +903,13 @@ def check_settings(cfg: DictConfig, schema: type[Section], targets: bool = True)
     values.pop("hydra", None)
     global _passed
     if _passed != (schema, values):
-        check_arguments(schema, values)
+        check_arguments(schema, values, typed=typed)
         _passed = (schema, values)
     if targets:
         for section, sub in values.items():
             if isinstance(sub, dict) and "_target_" not in sub:  # callbacks, logger: by name
                 for name, item in sub.items():
-                    _check_target(f"{section}.{name}", item)
+                    check_target(f"{section}.{name}", item)
             else:
-                _check_target(section, sub)
+                check_target(section, sub)
     return values

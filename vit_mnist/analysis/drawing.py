@@ -77,11 +77,14 @@ def overlay(
     low: float | None = None,
     high: float | None = None,
 ) -> torch.Tensor:
-    """Overlay attention maps in colour on grey images.
+    """Overlay attention maps in colour on grey images, as what they are: one flat block
+    per token (nearest-neighbour; a smooth upsampling would suggest a finer resolution
+    than the tokens have), with the token grid drawn as thin darker lines.
 
     Args:
         images: (N, 1, H, W) float, any normalisation (each is min-max scaled).
-        maps: (N, g, g) attention over the patch grid; upsampled bilinearly to H x W.
+        maps: (N, g, g) attention over the patch grid; each value fills its token's
+            (H / g) x (W / g) pixels.
         alpha: weight of the colour.
         low, high: the values of the colour map's ends, shared by every map; None: each
             map from its own minimum to its own maximum.
@@ -90,9 +93,16 @@ def overlay(
         (N, 3, H, W) float in [0, 1].
     """
     h, w = images.shape[-2:]
-    up = F.interpolate(maps[:, None].float(), size=(h, w), mode="bilinear", align_corners=False)
+    up = F.interpolate(maps[:, None].float(), size=(h, w), mode="nearest")
     colours = colorize(up[:, 0].cpu(), cmap, low=low, high=high)
-    return (1 - alpha) * grey(images) + alpha * colours
+    picture = (1 - alpha) * grey(images) + alpha * colours
+    # The first pixel row and column of every token but the first row and column: the
+    # lines between tokens, darkened by a quarter (the digit still shows through them).
+    token_row = torch.arange(h) * maps.shape[-2] // h  # the token row of each pixel row
+    token_col = torch.arange(w) * maps.shape[-1] // w
+    row_edge = torch.cat([torch.tensor([False]), token_row[1:] != token_row[:-1]])
+    col_edge = torch.cat([torch.tensor([False]), token_col[1:] != token_col[:-1]])
+    return torch.where(row_edge[:, None] | col_edge[None, :], 0.75 * picture, picture)
 
 
 def crossed_out(images: torch.Tensor, width: int = 2) -> torch.Tensor:

@@ -180,7 +180,10 @@ class InMemoryDataModule(L.LightningDataModule):
         )
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
-        if self.augment is not None and self.trainer is not None and self.trainer.training:
+        # A batch is (images, labels); Lightning's model summary sends the module's example
+        # input (images alone, ViTClassifier.example_input_array) through this hook too.
+        training = self.trainer is not None and self.trainer.training
+        if self.augment is not None and training and isinstance(batch, (tuple, list)):
             return self.augment(batch[0]), batch[1]
         return batch
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from vit_mnist.errors import ConfigError
 from vit_mnist.models.attention import MultiHeadSelfAttention
 from vit_mnist.models.checks import check_vit_args
 from vit_mnist.models.cnn import ConvNet, check_cnn_args
@@ -40,12 +41,22 @@ def check_model_args(model: dict[str, Any]) -> None:
         ConfigError: a value the settings schema refuses (``ModelSettings``), named as
             ``model.<key>``, or a combination (:func:`check_vit_args`,
             :func:`check_cnn_args`).
-        TypeError: a key the constructor does not take.
+            A key the constructor of ``arch`` does not take (``+model.stem=conv`` with
+            ``model=cnn``: the schema's model section is the union of both networks').
     """
     arch, args = _split(model)
     check_arguments(ModelSettings, {**args, "arch": arch}, prefix="model.")
     cnn = arch == "cnn"
-    bound = inspect.signature(import_target(MODEL_CLASSES[arch])).bind(**args)
+    signature = inspect.signature(import_target(MODEL_CLASSES[arch]))
+    foreign = [k for k in args if k not in signature.parameters]
+    if foreign:
+        shown = ", ".join(f"model.{k}" for k in foreign)
+        kind = "the convnet (model=cnn)" if cnn else "the Vision Transformer"
+        raise ConfigError(
+            f"{shown}: not a setting of {kind}, which would not use it; drop it "
+            f"({', '.join(f'~model.{k}' for k in foreign)} where the config sets it)"
+        )
+    bound = signature.bind(**args)
     bound.apply_defaults()
     (check_cnn_args if cnn else check_vit_args)(**bound.arguments)
 

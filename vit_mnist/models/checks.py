@@ -38,10 +38,17 @@ def conv_stem_layout(
         ``(channels, strides)``, two lists of one entry per convolution.
 
     Raises:
-        ConfigError (a ValueError): strides of another length than ``channels``, or whose
-            product does not divide the patch.
+        ConfigError (a ValueError): no convolution (``channels=[]``: that would be the
+            patch stem recorded as ``conv``), strides of another length than ``channels``,
+            or whose product does not divide the patch.
     """
     channels = list(CONV_STEM_CHANNELS if channels is None else channels)
+    if not channels:
+        raise ConfigError(
+            "model.stem_channels=[] gives the convolutional stem no convolution, which "
+            "is the patch stem: use model.stem=patch, or give channels, e.g. "
+            "model.stem_channels=[32,64]"
+        )
     if strides is None:
         out, left = [], patch_size
         for _ in channels:

@@ -1,4 +1,5 @@
-"""Export a trained checkpoint to ONNX or TorchScript, and check it against PyTorch.
+"""Export a trained checkpoint to ONNX, a ``torch.export`` program or TorchScript, and check
+it against PyTorch.
 
 ``python scripts/export.py ckpt_path=PATH format=onnx`` (or ``vit-mnist-export``) writes
 a model that takes ``(batch, 1, 28, 28)`` float32 pixel values in [0, 1] (white digit on
@@ -66,13 +67,27 @@ class ExportCheck:
     accuracy: float
 
 
+# The batch axis of every exported file: any batch from 1 image up.
+BATCH = torch.export.Dim("batch", min=1, max=65536)
+
+# Said once per export in our words, in place of PyTorch's four FutureWarnings (torch 2.14
+# deprecates torch.jit.trace, save and load).
+TORCHSCRIPT_NOTE = (
+    "note: PyTorch deprecates TorchScript (torch.jit); format=exported writes the format it "
+    "recommends instead, a torch.export program (.pt2: torch.export.load(path).module())"
+)
+
+
 def export_model(model: PixelsToLogits, fmt: str, path: Path, *, opset: int = 18) -> None:
-    """Write ``model`` (in eval mode, on the CPU) to ``path`` as ONNX or TorchScript.
+    """Write ``model`` (in eval mode, on the CPU) to ``path`` as ONNX, a ``torch.export``
+    program or TorchScript.
 
     Args:
         model: the wrapped network.
-        fmt: ``"onnx"`` (input ``images``, output ``logits``, dynamic axis ``batch``) or
-            ``"torchscript"`` (a traced module: ``torch.jit.load(path)(images)``).
+        fmt: ``"onnx"`` (input ``images``, output ``logits``, dynamic axis ``batch``),
+            ``"exported"`` (a ``torch.export`` program with a dynamic batch axis, read with
+            ``torch.export.load(path).module()(images)``: PyTorch alone, no code of this
+            project) or ``"torchscript"`` (a traced module: ``torch.jit.load(path)(images)``).
         path: the file to write; replaced atomically.
         opset: the ONNX opset version (of the default domain) of the file.
 
@@ -94,7 +109,7 @@ def export_model(model: PixelsToLogits, fmt: str, path: Path, *, opset: int = 18
             (example,),
             input_names=["images"],
             output_names=["logits"],
-            dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=65536)},),
+            dynamic_shapes=({0: BATCH},),
             opset_version=opset,
             dynamo=True,
             verbose=False,
@@ -110,14 +125,23 @@ def export_model(model: PixelsToLogits, fmt: str, path: Path, *, opset: int = 18
             )
         data = program.model_proto.SerializeToString()
 
+    elif fmt == "exported":
+        with torch.no_grad():
+            program = torch.export.export(model, (example,), dynamic_shapes=({0: BATCH},))
+        buffer = io.BytesIO()
+        torch.export.save(program, buffer)
+        data = buffer.getvalue()
+
     elif fmt == "torchscript":
         # The tracer warns about the image-size check and the q/k/v split; both are fixed
-        # by the architecture, not by the batch, so the trace is exact.
+        # by the architecture, not by the batch, so the trace is exact. PyTorch's
+        # deprecation of torch.jit is said once, by export(), in TORCHSCRIPT_NOTE.
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            warnings.simplefilter("ignore", FutureWarning)
             traced = torch.jit.trace(model, example)
-        buffer = io.BytesIO()
-        torch.jit.save(traced, buffer)
+            buffer = io.BytesIO()
+            torch.jit.save(traced, buffer)
         data = buffer.getvalue()
 
     else:
@@ -128,9 +152,12 @@ def export_model(model: PixelsToLogits, fmt: str, path: Path, *, opset: int = 18
 def run_exported(fmt: str, path: Path, pixels: torch.Tensor, batch_size: int = 384) -> torch.Tensor:
     """Logits of the exported file at ``path`` for ``pixels`` ``(N, 1, 28, 28)`` float32.
 
-    ONNX files run in ONNX Runtime on its CPU provider, TorchScript files in ``torch.jit``.
-    Fed in batches of ``batch_size`` and a smaller last one, which exercises the dynamic
-    batch axis.
+    ONNX files run in ONNX Runtime on its CPU provider, ``torch.export`` programs through
+    ``torch.export.load`` alone, TorchScript files in ``torch.jit``. Fed in batches of
+    ``batch_size`` and a smaller last one, which exercises the dynamic batch axis.
+
+    Returns:
+        ``(N, num_classes)`` float32 logits.
     """
     outputs = []
     if fmt == "onnx":
@@ -141,7 +168,12 @@ def run_exported(fmt: str, path: Path, pixels: torch.Tensor, batch_size: int = 3
             (logits,) = session.run(["logits"], {"images": chunk.numpy()})
             outputs.append(torch.from_numpy(logits))
     else:
-        loaded = torch.jit.load(str(path), map_location="cpu")
+        if fmt == "exported":
+            loaded = torch.export.load(str(path)).module()
+        else:
+            with warnings.catch_warnings():  # said once, in TORCHSCRIPT_NOTE
+                warnings.simplefilter("ignore", FutureWarning)
+                loaded = torch.jit.load(str(path), map_location="cpu")
         with torch.no_grad():
             outputs = [loaded(chunk) for chunk in pixels.split(batch_size)]
     return torch.cat(outputs)
@@ -186,7 +218,7 @@ def output_path(cfg: DictConfig, ckpt_path: Path) -> Path:
     ``cfg.format``.
 
     Raises:
-        ConfigError: ``output`` does not end in the format's suffix (``.onnx`` or ``.pt``),
+        ConfigError: ``output`` does not end in the format's suffix (``.onnx``, ``.pt2``, ``.pt``),
             or names a folder, or names an existing file and ``overwrite`` is not true.
     """
     fmt = str(cfg.format)
@@ -238,8 +270,10 @@ def export(cfg: DictConfig) -> dict[str, Any]:
     export_model(model, fmt, path, opset=cfg.opset)
     pixels, labels = sample_test_images(cfg, ckpt_path, run_info, cfg.check_images, mean, std)
     check = check_export(model, fmt, path, pixels, labels)
-    runtime = "ONNX Runtime" if fmt == "onnx" else "TorchScript"
+    runtime = {"onnx": "ONNX Runtime", "exported": "torch.export"}.get(fmt, "TorchScript")
     print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)")
+    if fmt == "torchscript":
+        print(TORCHSCRIPT_NOTE)
     print(
         f"{runtime} vs PyTorch on {check.num_images} test images: largest |logit difference| "
         f"= {check.max_abs_diff:.3g}; same predicted class on {check.classes_agree}/"
@@ -250,7 +284,7 @@ def export(cfg: DictConfig) -> dict[str, Any]:
 
 @exit_on_user_error
 def main(cfg: DictConfig) -> dict[str, Any]:
-    """The body of ``python scripts/export.py ckpt_path=PATH format=onnx|torchscript``."""
+    """The body of ``python scripts/export.py ckpt_path=PATH format=onnx|exported|torchscript``."""
     if OmegaConf.is_missing(cfg, "ckpt_path"):
         raise ConfigError("ckpt_path is required: scripts/export.py ckpt_path=PATH format=onnx")
     return export(cfg)

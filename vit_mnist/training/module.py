@@ -12,7 +12,7 @@ from torch import nn
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from vit_mnist.errors import NonFiniteLossError
+from vit_mnist.errors import ConfigError, NonFiniteLossError
 from vit_mnist.models import build_model
 from vit_mnist.models.vit import average_heads
 from vit_mnist.training.distillation import distillation_loss
@@ -101,6 +101,10 @@ class ViTClassifier(L.LightningModule):
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.val_acc_best = MaxMetric()
         self.run_info: dict[str, Any] = {}  # data config, precision, seed: from train()
+        # One image, for Lightning's model summary: its FLOPs column and total count one
+        # image's forward (without it they said 0), and its sizes columns the shapes.
+        size = model.get("img_size", 28)
+        self.example_input_array = torch.zeros(1, model.get("in_chans", 1), size, size)
         self._resumed_val_acc_best: float | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,11 +117,40 @@ class ViTClassifier(L.LightningModule):
         return self.net.forward_heads(self.net.forward_features(x)) if heads else self.net(x)
 
     def on_fit_start(self) -> None:
+        self._check_weight_averaging()
         path = self.hparams.teacher_ckpt
         if path and self.teacher is None:  # channels_last: the convnet's forward 1.8x faster
             net = type(self).load_from_checkpoint(path, map_location=self.device, weights_only=True)
             net = net.net.eval().requires_grad_(False).to(memory_format=torch.channels_last)
             self.teacher = lambda x: net(x.contiguous(memory_format=torch.channels_last))
+
+    def _check_weight_averaging(self) -> None:
+        """An EMA of the weights (``callbacks.ema``, Lightning's ``EMAWeightAveraging``) that
+        would start after this run's last step or epoch is never updated, and validation,
+        the checkpoints and the test would then use the weights the run started from.
+
+        Raises:
+            ConfigError: such a start, naming it, the run's length and the fix.
+        """
+        from lightning.pytorch.callbacks import EMAWeightAveraging
+
+        steps, epochs = self.trainer.estimated_stepping_batches, self.trainer.max_epochs
+        for callback in self.trainer.callbacks:
+            if not isinstance(callback, EMAWeightAveraging):
+                continue
+            step, epoch = callback.update_starting_at_step, callback.update_starting_at_epoch
+            late = None
+            if step is not None and step >= steps:
+                late = f"update_starting_at_step={step}, and this run's last step is {steps - 1}"
+            elif epoch is not None and epochs is not None and epoch >= epochs:
+                late = f"update_starting_at_epoch={epoch}, and its last epoch is {epochs - 1}"
+            if late:
+                raise ConfigError(
+                    f"callbacks.ema.{late}: the average would never be updated, and the "
+                    "run would validate, save and test the weights it started from; "
+                    "start it earlier (callbacks.ema.update_starting_at_step=1) or leave "
+                    "the EMA out (callbacks=default)"
+                )
 
     def on_train_start(self) -> None:
         # The sanity-check validation must not count towards the best accuracy; a resumed

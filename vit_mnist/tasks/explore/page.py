@@ -103,6 +103,15 @@ def _head_choices(explorer: Explorer, layer: int) -> list[tuple[str, int]]:
     return [(f"head {n}", h) for h, n in enumerate(explorer.head_names[layer])]
 
 
+# Gradio's gallery grid gives each tile at least 100 px: its 5 columns overflowed the input
+# column, and at 1 400 px wide the 4 and the 9 were cut off. The tiles share the width.
+PAGE_CSS = (
+    "#examples .grid-container { grid-template-columns: repeat(5, minmax(0, 1fr)) !important;"
+    " grid-auto-rows: auto !important; padding-top: 32px !important; }"
+    " #examples .gallery-item, #examples .thumbnail-item { height: auto; aspect-ratio: 1; }"
+)
+
+
 def _input_panel(gr, explorer: Explorer) -> dict[str, Any]:
     """The input: the Draw, Upload and Test image tabs, and the examples below them."""
     names = explorer.class_names
@@ -141,7 +150,7 @@ def _input_panel(gr, explorer: Explorer) -> dict[str, Any]:
     gallery = gr.Gallery(
         value=examples,
         columns=5,
-        height=260,
+        elem_id="examples",
         object_fit="contain",
         allow_preview=False,
         interactive=False,
@@ -305,6 +314,7 @@ def _circuits_panel(gr, explorer: Explorer) -> dict[str, Any]:
                 y="probability %",
                 color="line",
                 color_title="class",
+                sort=[str(b) for b in range(explorer.model.depth)],  # whole blocks, in order
                 y_lim=[0, 100],
                 show_label=False,
                 elem_id="lens",

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vit_mnist.errors import CheckpointError, ConfigError, exit_on_user_error
 from vit_mnist.settings import ExploreSettings, check_settings
-from vit_mnist.tasks.explore.page import build_page, import_gradio
+from vit_mnist.tasks.explore.page import PAGE_CSS, build_page, import_gradio
 from vit_mnist.tasks.explore.session import load_explorer
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ def launch(
                 ssr_mode=False,
                 mcp_server=False,
                 theme=theme,
+                css=PAGE_CSS,
             )
             return url
         except ValueError as e:

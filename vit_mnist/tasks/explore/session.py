@@ -492,7 +492,9 @@ class Explorer:
         block, probability (%), class and line (``LENS_LINES``), for Gradio's line plot."""
         import pandas as pd
 
-        blocks = list(range(len(e.lens)))
+        # Block numbers as labels, not numbers: a number axis put ticks at 0.5, 1.5, ...
+        # between the blocks (the page orders them, page.py's LinePlot ``sort``).
+        blocks = [str(b) for b in range(len(e.lens))]
         return pd.DataFrame(
             {
                 "after block": blocks * 2,
