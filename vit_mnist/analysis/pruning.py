@@ -95,7 +95,7 @@ class MeasureData:
         images: (N, C, H, W) float32, normalised as the model takes them.
         labels: (N,) int64 their classes.
         pairs: for ``patching``: (clean class a, corrupted class b, clean images (n, C, H,
-            W), corrupted images (n, C, H, W)), images the unpruned model classifies right.
+            W), corrupted images (n, C, H, W)), as :func:`measure_data` picks them.
         seed: of the ``random`` order.
         normalise: divide the ``gradient`` measure by each layer's l2 norm (Michel et al.
             2019, section 4.1).
