@@ -482,6 +482,8 @@ class PruneSettings(Section):
     num_images: int = _f("prune.num_images=1000", ge=1)
     save_steps: bool = _f()
     finetune_epochs: int = _f("prune.finetune_epochs=2", ge=0)
+    finetune_lr: float = _f("prune.finetune_lr=1e-3", gt=0)
+    finetune_warmup_epochs: float = _f("prune.finetune_warmup_epochs=0.5", ge=0)
     seed: int = _seed("prune.seed")
 
 

@@ -83,7 +83,8 @@ def finetune_config(ckpt_path: Path) -> Path:
         raise ConfigError(
             f"prune.finetune_epochs needs the training run's config, {folder}/config.yaml, "
             f"which is not there for {ckpt_path}: drop prune.finetune_epochs, then fine-tune "
-            "the pruned checkpoint with python train.py init_from=<it> trainer.max_epochs=2"
+            "the pruned checkpoint with python train.py init_from=<it> trainer.max_epochs=2 "
+            "module.lr=1e-3 module.warmup_epochs=0.5"
         )
     return folder
 
@@ -210,7 +211,8 @@ def _file_name(plan: PruningPlan, step: Step) -> str:
 
 def _finetune(plan: PruningPlan, pruned_ckpt: Path, out: Path) -> dict[str, Any]:
     """``train.py init_from=<pruned_ckpt>`` for ``finetune_epochs`` epochs, with the
-    training run's own config (recipe and data), in ``out/finetune``, as its own process
+    training run's own config (recipe and data) at ``finetune_lr`` after
+    ``finetune_warmup_epochs`` of warm-up, in ``out/finetune``, as its own process
     (a task does not run another in-process); returns its metrics.json, or the exit status
     of a run that failed (the pruned checkpoint is written already)."""
     epochs = int(plan.settings["finetune_epochs"])
@@ -218,7 +220,9 @@ def _finetune(plan: PruningPlan, pruned_ckpt: Path, out: Path) -> dict[str, Any]
         sys.executable, "-c", "from vit_mnist.cli import train; train()",
         "--config-path", str(plan.finetune_config), "--config-name", "config",
         f"++init_from={pruned_ckpt}", "++ckpt_path=null", f"++trainer.max_epochs={epochs}",
-        "++module.schedule_epochs=null", f"hydra.run.dir={out / 'finetune'}",
+        "++module.schedule_epochs=null", f"++module.lr={plan.settings['finetune_lr']}",
+        f"++module.warmup_epochs={plan.settings['finetune_warmup_epochs']}",
+        f"hydra.run.dir={out / 'finetune'}",
     ]  # fmt: skip
     log.info("fine-tuning the pruned model for %d epoch(s): %s", epochs, " ".join(command[3:]))
     code = subprocess.run(command, check=False).returncode
