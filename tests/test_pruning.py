@@ -323,6 +323,9 @@ def test_a_pruned_model_fine_tunes_with_its_runs_own_recipe(tmp_path, monkeypatc
     assert tuned["model"]["num_heads"] == [1]  # the fixture's 2 heads, one removed
     given = (tmp_path / "e" / "finetune" / ".hydra" / "overrides.yaml").read_text()
     assert "++module.lr=0.001" in given and "++module.warmup_epochs=0.5" in given
+    # Still a pruned model: predict.py gives its speed beside the unpruned shape's.
+    fine = torch.load(tuned["best_ckpt"], map_location="cpu", weights_only=True)
+    assert fine["vit_mnist"]["pruned_from"]["order"] == metrics["pruning/order"]
     assert metrics["pruning/finetune"]["test/acc"] == tuned["test/acc"]
     assert "fine-tuned 1 epoch(s): test" in capsys.readouterr().out
     # Outside its run dir, the fine-tune is refused before any work, naming the fix.

@@ -84,6 +84,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         module.net.load_state_dict(start.weights)
     choice = prepare_speed(module, cfg, datamodule)
     module.run_info = {"data": resolved(cfg.data), "precision": choice.precision, "seed": cfg.seed}
+    if start is not None and start.pruned_from:
+        module.run_info["pruned_from"] = start.pruned_from  # a fine-tuned pruned model still is one
     if teacher is not None:
         module.run_info["teacher"] = teacher
 

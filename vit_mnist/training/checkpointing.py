@@ -459,11 +459,13 @@ def _model_keys_given() -> set[str]:
 
 @dataclass
 class StartFrom:
-    """What ``init_from`` starts a run from: the model's arguments, and its network's
-    weights (``net.*`` without the prefix)."""
+    """What ``init_from`` starts a run from: the model's arguments, its network's weights
+    (``net.*`` without the prefix) and, for a model pruned by ``eval.py analysis=prune``,
+    what it was pruned from (its run info's ``pruned_from``)."""
 
     model: dict[str, Any]
     weights: dict[str, torch.Tensor]
+    pruned_from: dict[str, Any] | None = None
 
 
 def model_to_start_from(cfg: DictConfig) -> StartFrom | None:
@@ -517,4 +519,4 @@ def model_to_start_from(cfg: DictConfig) -> StartFrom | None:
         log.warning("init_from=%s: the checkpoint's model trains: %s", path, ", ".join(kept))
     log.info("init_from=%s: model %s, training from epoch 0", path, model)
     net = {k.removeprefix("net."): v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
-    return StartFrom(model, net)
+    return StartFrom(model, net, ckpt.get(RUN_INFO_KEY, {}).get("pruned_from"))
