@@ -391,14 +391,15 @@ def mean_accuracy(steps: Sequence[Step], key: str) -> float:
 
 
 def images_per_second(
-    models: Mapping[str, nn.Module], images: torch.Tensor, *, rounds: int = 5
+    models: Mapping[str, nn.Module], images: torch.Tensor, *, rounds: int = 10
 ) -> dict[str, float]:
     """Inference speed of each model on ``images`` (B, C, H, W), in images/s: the median of
     ``rounds`` timed passes, the models taking turns (A B A B) so that a change in the
     machine's load falls on all of them, after one untimed warm-up pass each. Eval mode,
-    no gradient, float32, on each model's own device."""
+    no gradient, float32 (autocast off), on each model's own device."""
     times: dict[str, list[float]] = {name: [] for name in models}
-    with torch.inference_mode():
+    device = next(iter(models.values())).parameters().__next__().device
+    with torch.inference_mode(), torch.autocast(device.type, enabled=False):
         for r in range(rounds + 1):
             for name, model in models.items():
                 x = images.to(next(model.parameters()).device)
