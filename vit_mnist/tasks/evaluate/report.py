@@ -103,13 +103,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     module = _load_module(cfg, ckpt_path)
     trainer, quiet = _trainers(cfg, run_info)
     bar = bool(cfg.trainer.get("enable_progress_bar", True))
-    # Pruning chooses its heads and its step on the validation split, before the test set
-    # is read at all.
-    plan = (
-        plan_pruning(quiet(), module, datamodule, cfg.get("prune"), ckpt_path, bar=bar)
-        if analysis == "prune"
-        else None
-    )
+    if analysis == "prune":  # heads and step chosen on the validation split, before any test
+        plan = plan_pruning(quiet(), module, datamodule, cfg.prune, ckpt_path, bar=bar)
     results = _test(trainer, module, datamodule, ckpt_path, split)
     run, metrics, cm = _report(cfg, trainer, module, datamodule, results, ckpt_path)
     if analysis == "heads":
@@ -122,7 +117,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     elif analysis == "roles":
         pixels = run.images * getattr(datamodule, "std", 1.0) + getattr(datamodule, "mean", 0.0)
         metrics["head_roles"] = analyse_roles(quiet(), run, pixels)
-    elif plan is not None:
+    elif analysis == "prune":
         metrics.update(report_pruning(quiet(), run, ckpt, plan, bar))
     elif analysis == "circuits":
         pairs = circuit_pairs(cm, cfg.circuits)
