@@ -355,3 +355,24 @@ def test_the_ablation_measure_is_the_loss_increase_with_the_head_zeroed():
             zeroed[layer, head] = loss - base
     torch.testing.assert_close(measured, zeroed, atol=1e-5, rtol=1e-4)
     assert zeroed.abs().max() > 0.05  # the heads matter: the comparison means something
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["prune.max_drop=1"], "prune.max_drop=1 applies to analysis=prune only"),
+        (["analysis=prune", "prune.finetune_lr=5e-4"], "add prune.finetune_epochs=2"),
+        (
+            ["analysis=prune", "++prune.finetune_warmup_epochs=1"],
+            "++prune.finetune_warmup_epochs=1",
+        ),
+    ],
+)
+def test_a_prune_setting_that_would_not_be_applied_is_refused(
+    tmp_path, monkeypatch, capsys, overrides, words
+):
+    from tests.helpers import in_process
+
+    run = ["ckpt_path=nowhere.ckpt", f"hydra.run.dir={tmp_path / 'e'}", *overrides]
+    code, _, err = in_process(monkeypatch, capsys, *run, task="evaluate")
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err

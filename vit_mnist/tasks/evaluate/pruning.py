@@ -21,6 +21,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from vit_mnist.analysis.components import head_counts
@@ -69,6 +70,31 @@ class PruningPlan:
     def unpruned(self) -> Step:
         """Step 0: the unpruned model."""
         return self.curves[self.chosen[0]][0]
+
+
+def check_prune_keys(cfg: DictConfig) -> None:
+    """Refuse a ``prune.*`` key typed on the command line that would not be applied: any
+    without ``analysis=prune``, and the fine-tune's own without ``prune.finetune_epochs``.
+
+    Raises:
+        ConfigError: naming the override as typed and the fix.
+    """
+    if not HydraConfig.initialized():  # a test or a notebook: nothing was typed
+        return
+    typed = {o.lstrip("+").partition("=")[0]: o for o in HydraConfig.get().overrides.task}
+    prune = [o for key, o in sorted(typed.items()) if key.startswith("prune.")]
+    if prune and cfg.get("analysis") != "prune":
+        raise ConfigError(
+            f"{prune[0]} applies to analysis=prune only: add analysis=prune, or drop it"
+        )
+    tuning = [
+        o for o in prune if o.lstrip("+").startswith(("prune.finetune_lr", "prune.finetune_w"))
+    ]
+    if tuning and not cfg.prune.finetune_epochs:
+        raise ConfigError(
+            f"{tuning[0]} applies to the fine-tune, which prune.finetune_epochs=0 leaves out: "
+            "add prune.finetune_epochs=2, or drop it"
+        )
 
 
 def finetune_config(ckpt_path: Path) -> Path:

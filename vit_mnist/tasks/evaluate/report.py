@@ -37,7 +37,7 @@ from vit_mnist.tasks.evaluate.analyses import (
     check_class_pairs,
     circuit_pairs,
 )
-from vit_mnist.tasks.evaluate.pruning import plan_pruning, report_pruning
+from vit_mnist.tasks.evaluate.pruning import check_prune_keys, plan_pruning, report_pruning
 from vit_mnist.training.checkpointing import (
     checkpoint_datamodule,
     read_checkpoint,
@@ -83,6 +83,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             analysis with ``split=val``.
     """
     check_settings(cfg, EvalSettings)
+    check_prune_keys(cfg)
     analysis, split = cfg.get("analysis"), cfg.get("split", "test")
     # Each alone is checked by the schema (EvalSettings); together, the analyses but roles
     # and circuits need the test images (those two ask what heads do, which validation
