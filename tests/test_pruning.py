@@ -255,7 +255,9 @@ def test_eval_prunes_and_the_pruned_checkpoint_is_used_like_any_other(
     assert "images/s pruned" in out and pruned_ckpt.name in out
 
     # eval.py, predict.py, export.py and the explorer take it like any other checkpoint.
-    again = evaluate(compose_config("eval", [f"ckpt_path={pruned_ckpt}", *COMMON], tmp_path / "p"))
+    again = evaluate(
+        compose_config("eval", [f"ckpt_path={pruned_ckpt}", *COMMON[:2]], tmp_path / "p")
+    )
     assert again["test/acc"] == pytest.approx(float(last["test_acc"]), abs=1e-6)
     digit = draw_digit(tmp_path / "seven.png", seed=7)
     run = [f"ckpt_path={pruned_ckpt}", f"hydra.run.dir={tmp_path / 'predict'}"]

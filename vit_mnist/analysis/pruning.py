@@ -29,6 +29,7 @@ from vit_mnist.analysis.heads import gradient_head_importance
 from vit_mnist.analysis.logit_attribution import direct_logit_attribution, margin_attribution
 from vit_mnist.analysis.modes import evaluating
 from vit_mnist.analysis.patching import activation_patching
+from vit_mnist.hardware import describe_device
 from vit_mnist.models import build_model
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.settings import PRUNE_ORDERS
@@ -409,6 +410,25 @@ def images_per_second(
                     if r:
                         times[name].append(time.perf_counter() - start)
     return {name: len(images) / sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def speed_and_size(
+    pruned: VisionTransformer, unpruned: VisionTransformer, images: torch.Tensor
+) -> dict[str, Any]:
+    """The pruned model beside the unpruned one (whose weights do not matter: the speed is
+    the shapes'): ``images_per_s`` (:func:`images_per_second` on ``images``, B images),
+    ``speedup`` (pruned over unpruned), ``heads`` and ``params``, each per model, and the
+    ``device`` line of :func:`~vit_mnist.hardware.describe_device`."""
+    models = {"pruned": pruned, "unpruned": unpruned}
+    speed = images_per_second(models, images)
+    return {
+        "images_per_s": {k: round(v, 1) for k, v in speed.items()},
+        "speedup": round(speed["pruned"] / speed["unpruned"], 3),
+        "heads": {k: sum(head_counts(m)) for k, m in models.items()},
+        "params": {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()},
+        "batch": len(images),
+        "device": describe_device(next(pruned.parameters()).device),
+    }
 
 
 def pruning_figure(

@@ -24,13 +24,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from vit_mnist.analysis.attention import attention_rollout, cls_attention
-from vit_mnist.analysis.components import head_counts
 from vit_mnist.analysis.drawing import grey, labelled_grid, overlay
-from vit_mnist.analysis.pruning import images_per_second
+from vit_mnist.analysis.pruning import speed_and_size
 from vit_mnist.analysis.relevance import class_relevance
 from vit_mnist.data.images import UNREADABLE, collect_images, read_image
 from vit_mnist.errors import CheckpointError, ConfigError, exit_on_user_error
-from vit_mnist.hardware import cpu_name
 from vit_mnist.io import append_csv_rows, printable_path, save_png
 from vit_mnist.models import build_model
 from vit_mnist.models.vit import VisionTransformer
@@ -435,20 +433,17 @@ def _print_results(
 
 def _print_pruned_speed(module: ViTClassifier) -> None:
     """For a pruned checkpoint (``eval.py analysis=prune``): its heads, parameters and
-    images/s here beside a model of the unpruned shape (speed depends on the shapes, not
-    the weights), timed in turns on a batch of 256."""
+    images/s here beside a model of the unpruned shape, timed in turns on a batch of 256."""
     pruned_from = module.run_info["pruned_from"]
-    unpruned = build_model(pruned_from["model"])
-    models = {"pruned": module.net, "unpruned": unpruned}
-    shape = (256, module.net.in_chans, module.net.img_size, module.net.img_size)
-    speed = images_per_second(models, torch.zeros(shape))
-    heads = {k: sum(head_counts(m)) for k, m in models.items()}
-    params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
+    net = module.net
+    shape = (256, net.in_chans, net.img_size, net.img_size)
+    s = speed_and_size(net, build_model(pruned_from["model"]), torch.zeros(shape))
     print(
-        f"pruned model ({pruned_from['order']} order): {heads['pruned']} of "
-        f"{heads['unpruned']} heads, {params['pruned']:,} of {params['unpruned']:,} "
-        f"parameters; {speed['pruned']:,.0f} images/s against {speed['unpruned']:,.0f} "
-        f"unpruned on {cpu_name()} ({speed['pruned'] / speed['unpruned']:.2f}x)"
+        f"pruned model ({pruned_from['order']} order): {s['heads']['pruned']} of "
+        f"{s['heads']['unpruned']} heads, {s['params']['pruned']:,} of "
+        f"{s['params']['unpruned']:,} parameters; {s['images_per_s']['pruned']:,.0f} images/s "
+        f"against {s['images_per_s']['unpruned']:,.0f} unpruned ({s['speedup']:.2f}x) on "
+        f"{s['device']}"
     )
 
 

@@ -31,17 +31,16 @@ from vit_mnist.analysis.pruning import (
     Step,
     best_choice,
     choose_step,
-    images_per_second,
     mean_accuracy,
     measure_data,
     prune_heads,
     prune_in_order,
     pruning_figure,
     pruning_plan,
+    speed_and_size,
 )
 from vit_mnist.console import progress
 from vit_mnist.errors import ConfigError
-from vit_mnist.hardware import cpu_name
 from vit_mnist.io import write_csv
 from vit_mnist.training.checkpointing import AtomicCheckpointIO
 from vit_mnist.training.module import RUN_INFO_KEY, ViTClassifier
@@ -54,6 +53,7 @@ class PruningPlan:
     """What the validation split decided: each order's steps and the chosen (order, step)."""
 
     curves: dict[str, list[Step]]
+    picks: dict[str, int]  # per order, its most-pruned step within max_drop
     chosen: tuple[str, int]
     total: int
     per_step: int
@@ -168,7 +168,7 @@ def plan_pruning(
         return accuracy_and_loss(trainer, _classifier(module, pruned, pruned_args), loader)
 
     steps = len(s["orders"]) * (math.ceil(target / per_step) + 1)
-    curves = {}
+    curves, picks = {}, {}
     with progress(steps, "pruning (validation)", enabled=bar) as shown:
         for order in s["orders"]:
             start = time.perf_counter()
@@ -176,14 +176,14 @@ def plan_pruning(
                 net, args, order, data, score, per_step=per_step, target=target,
                 progress=shown.update,
             )  # fmt: skip
-            accs = [step.val_acc for step in curves[order]]
-            removed = len(curves[order][choose_step(accs, s["max_drop"])].removed)
+            picks[order] = choose_step([step.val_acc for step in curves[order]], s["max_drop"])
+            removed = len(curves[order][picks[order]].removed)
             log.info(
                 "pruning by %s: %d of %d heads removed within %s val points (%.0f s)",
                 order, removed, total, s["max_drop"], time.perf_counter() - start,
             )  # fmt: skip
     chosen = best_choice(curves, float(s["max_drop"]))
-    return PruningPlan(curves, chosen, total, per_step, s, config)
+    return PruningPlan(curves, picks, chosen, total, per_step, s, config)
 
 
 def _test_scores(trainer: L.Trainer, module: ViTClassifier, loader, plan: PruningPlan, bar: bool):
@@ -259,29 +259,12 @@ def _finetune(plan: PruningPlan, pruned_ckpt: Path, out: Path) -> dict[str, Any]
     return json.loads(metrics.read_text())
 
 
-def _speed(module: ViTClassifier, pruned: ViTClassifier, images: torch.Tensor) -> dict[str, Any]:
-    """Images/s (inference, a batch of up to 256 validation-size images, float32, the models
-    taking turns) and parameters of the unpruned and the pruned model, with the CPU."""
-    batch = images[:256]
-    speed = images_per_second({"unpruned": module.net, "pruned": pruned.net}, batch)
-    params = {name: sum(p.numel() for p in m.net.parameters()) for name, m in
-              (("unpruned", module), ("pruned", pruned))}  # fmt: skip
-    device = next(module.net.parameters()).device
-    return {
-        "images_per_s": {k: round(v, 1) for k, v in speed.items()},
-        "speedup": round(speed["pruned"] / speed["unpruned"], 3),
-        "params": params,
-        "batch": len(batch),
-        "device": cpu_name() if device.type == "cpu" else torch.cuda.get_device_name(device),
-    }
-
-
 def _summaries(plan: PruningPlan) -> dict[str, dict[str, Any]]:
     """Per order: the step ``max_drop`` picks on its curve and the mean accuracies (areas
     under the curves, :func:`~vit_mnist.analysis.pruning.mean_accuracy`)."""
     out = {}
     for order, steps in plan.curves.items():
-        step = steps[choose_step([s.val_acc for s in steps], float(plan.settings["max_drop"]))]
+        step = steps[plan.picks[order]]
         out[order] = {
             "heads_removed": len(step.removed),
             "val_acc": round(step.val_acc, 6),
@@ -336,7 +319,7 @@ def report_pruning(trainer: L.Trainer, run, ckpt: dict[str, Any], plan: PruningP
         "pruning/val_acc": step.val_acc,
         "pruning/test_acc": step.test_acc,
         "pruning/orders": _summaries(plan),
-        "pruning/speed": _speed(module, pruned, run.images),
+        "pruning/speed": speed_and_size(pruned.net, module.net, run.images[:256]),
     }
     _print(plan, metrics, path)
     if plan.finetune_config is not None:
