@@ -347,10 +347,12 @@ def _print(plan: PruningPlan, metrics: dict[str, Any], path: Path) -> None:
             f"{100 * o['mean_test_acc']:8.2f}%"
         )
     speed = metrics["pruning/speed"]
-    print(
-        f"kept: {path.name} ({metrics['pruning/heads_kept']} of {plan.total} heads, test "
-        f"{100 * metrics['pruning/test_acc']:.2f}%, unpruned {100 * plan.unpruned.test_acc:.2f}%)"
-    )
+    # Logged, not only printed: the run's eval.log names the file kept and what it scores.
+    log.info(
+        "kept %s: %d of %d heads, val %.2f%%, test %.2f%% (unpruned %.2f%%)",
+        path, metrics["pruning/heads_kept"], plan.total, 100 * metrics["pruning/val_acc"],
+        100 * metrics["pruning/test_acc"], 100 * plan.unpruned.test_acc,
+    )  # fmt: skip
     faster = (
         "faster"
         if speed["speedup"] > 1.05
