@@ -191,18 +191,16 @@ def test_max_drop_picks_the_most_pruned_step_within_the_budget():
     assert mean_accuracy(curves["a"], "val_acc") == pytest.approx((0.99 + 0.98) / 2)
 
 
-def _checkpoint(tmp_path, **model) -> tuple:
+def _checkpoint(tmp_path) -> Path:
     """A checkpoint as train() writes it, without the training: synthetic data, 8 heads."""
     module = ViTClassifier(model={**ARGS, "num_classes": 10})
     module.net.load_state_dict(_model().state_dict())
     data = OmegaConf.to_container(compose_config("eval", ["data=synthetic"], tmp_path).data)
     ckpt = tmp_path / "model.ckpt"
-    hparams = dict(module.hparams)
-    hparams["model"] = {**hparams["model"], **model}
     torch.save(
         {
             "state_dict": module.state_dict(),
-            "hyper_parameters": hparams,
+            "hyper_parameters": dict(module.hparams),
             "pytorch-lightning_version": "2.5.0",
             "vit_mnist": {"data": data, "precision": "32-true", "seed": 0},
         },
