@@ -103,3 +103,18 @@ def test_shares_of_a_head_on_the_ink_and_of_a_uniform_head():
         assert r["ink_share"] == pytest.approx(1.0) and r["ink_area"] == pytest.approx(1 / 16)
     with pytest.raises(ValueError, match="same N"):
         head_roles(_model_with_cls_attention(on_ink), images, pixels[:2])
+
+
+def test_head_roles_reports_each_batch_and_batching_does_not_change_the_figures():
+    torch.manual_seed(0)
+    model = VisionTransformer(patch_size=7, embed_dim=16, depth=2, num_heads=2, mlp_ratio=2.0)
+    pixels = (torch.rand(5, 1, 28, 28) > 0.7).float()  # scattered ink: ends and curves
+    images = (pixels - 0.1307) / 0.3081
+    calls = []
+    rows = head_roles(model, images, pixels, batch_size=2, progress=lambda: calls.append(1))
+    assert len(calls) == 3  # batches of 2, 2 and 1 images
+    whole = head_roles(model, images, pixels, batch_size=5)
+    for r, w in zip(rows, whole, strict=True):
+        assert {k: r[k] for k in ROLE_COLUMNS} == pytest.approx(
+            {k: w[k] for k in ROLE_COLUMNS}, abs=2e-5
+        )

@@ -21,7 +21,7 @@ detector (Harris and Stephens 1988, scikit-image's ``corner_harris``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,7 +157,12 @@ def digit_parts(pixels: torch.Tensor, patch_size: int) -> DigitParts:
 
 @torch.no_grad()
 def head_roles(
-    model: VisionTransformer, images: torch.Tensor, pixels: torch.Tensor, *, batch_size: int = 250
+    model: VisionTransformer,
+    images: torch.Tensor,
+    pixels: torch.Tensor,
+    *,
+    batch_size: int = 250,
+    progress: Callable[[], None] = lambda: None,
 ) -> list[dict[str, Any]]:
     """The role figures of every head (:data:`ROLE_COLUMNS`), averaged over ``images``.
 
@@ -177,6 +182,8 @@ def head_roles(
         images: (N, C, H, W) float, as the model takes them (normalised).
         pixels: the same N images in [0, 1], ink bright (see :func:`digit_parts`).
         batch_size: images per forward pass.
+        progress: called once per batch of ``batch_size`` images (its digit parts found
+            and its attention read): ``ceil(N / batch_size)`` calls.
 
     Returns:
         One dict per (layer, head): ``layer``, ``head`` and the role figures (floats).
@@ -187,21 +194,23 @@ def head_roles(
     if len(images) != len(pixels) or len(images) == 0:
         raise ValueError(f"{len(images)} images and {len(pixels)} pixel maps: give the same N > 0")
     grid, patch = model.patch_embed.grid_size, model.patch_embed.patch_size
-    parts = digit_parts(pixels, patch)
-    areas = {
-        "ink_area": parts.ink.float().mean(1),
-        "centre_distance_uniform_px": parts.centre_distance.mean(1),
-        "end_area": parts.ends.float().mean(1),
-        "curve_area": parts.curves.float().mean(1),
-    }
     heads = [block.attn.num_heads for block in model.blocks]
     sums = torch.zeros(model.depth, max(heads), len(ROLE_COLUMNS), dtype=torch.float64)
     for chunk, weights in attention_batches(model, images, batch_size):
+        # The batch's parts: the skeletons take most of the time, so the batch is the
+        # unit of progress.
+        parts = digit_parts(pixels[chunk], patch)
+        areas = {
+            "ink_area": parts.ink.float().mean(1),
+            "centre_distance_uniform_px": parts.centre_distance.mean(1),
+            "end_area": parts.ends.float().mean(1),
+            "curve_area": parts.curves.float().mean(1),
+        }
         per_patch = {
-            "ink_share": parts.ink[chunk].float(),
-            "centre_distance_px": parts.centre_distance[chunk],
-            "end_share": parts.ends[chunk].float(),
-            "curve_share": parts.curves[chunk].float(),
+            "ink_share": parts.ink.float(),
+            "centre_distance_px": parts.centre_distance,
+            "end_share": parts.ends.float(),
+            "curve_share": parts.curves.float(),
         }
         n = per_patch["ink_share"].shape[0]
         for layer, w in enumerate(weights):
@@ -209,13 +218,14 @@ def head_roles(
             cls = w[:, :, 0, -(grid * grid) :]  # over the patches, the last tokens
             cls = cls / cls.sum(-1, keepdim=True).clamp_min(1e-12)  # (B, h, P)
             figures = {k: (cls * v[:, None]).sum(-1).sum(0) for k, v in per_patch.items()}
-            figures.update({k: v[chunk].sum().expand(w.shape[1]) for k, v in areas.items()})
+            figures.update({k: v.sum().expand(w.shape[1]) for k, v in areas.items()})
             figures["mean_distance_px"] = n * mean_attention_distance(
                 w, grid_size=grid, patch_size=patch
             )
             figures["entropy_nats"] = n * attention_entropy(w)
             for i, key in enumerate(ROLE_COLUMNS):
                 sums[layer, : w.shape[1], i] += figures[key].double()
+        progress()
     means = sums / len(images)
     return [
         {
