@@ -15,7 +15,7 @@ where fixed fractions 0.1, 0.2, ... of 16 patches would have to be rounded).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +125,13 @@ class PerturbationResult:
         ]
 
 
+def perturbation_passes(scores: Mapping[str, torch.Tensor]) -> int:
+    """How many accuracies :func:`perturbation_test` measures for ``scores``: k = 0 and
+    k = P once, and k = 1 .. P - 1 per method and direction."""
+    patches = next(iter(scores.values()))[0].numel()
+    return 2 + len(scores) * len(DIRECTIONS) * (patches - 1)
+
+
 @torch.no_grad()
 def perturbation_test(
     model: nn.Module,
@@ -134,6 +141,7 @@ def perturbation_test(
     *,
     fill: float,
     batch_size: int = 500,
+    progress: Callable[[], None] = lambda: None,
 ) -> PerturbationResult:
     """Accuracy as patches are blanked in the order of each method's scores.
 
@@ -154,6 +162,8 @@ def perturbation_test(
             ``H = W = g * patch_size``.
         fill: the normalised value of a black pixel, ``(0 - mean) / std``.
         batch_size: images per forward pass (memory, not results).
+        progress: called once per accuracy measured (a pass over the images):
+            ``2 + methods * 2 * (P - 1)`` calls (:func:`perturbation_passes`).
 
     Returns:
         A :class:`PerturbationResult` with fractions ``k / P``.
@@ -186,6 +196,7 @@ def perturbation_test(
             x = blank_patches(x, order[start : start + batch_size], count, fill=fill)
             logits = model(x)
             correct += int((logits.argmax(dim=1) == labels[start : start + batch_size]).sum())
+        progress()
         return correct / n
 
     fractions = torch.arange(p + 1, dtype=torch.float32) / p

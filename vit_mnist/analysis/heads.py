@@ -4,7 +4,6 @@ Really Better than One?", eq. 1 and 2), and its picture."""
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -74,10 +73,12 @@ def _gate_gradients(
     model: VisionTransformer,
     gate: torch.Tensor,
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    progress: Callable[[], None],
 ) -> tuple[torch.Tensor, int]:
     """``sum_b n_b |dL_b/d gate|`` (float64, the shape of ``gate``) over ``batches`` and the
     number of images, with the heads gated by ``gate`` (on the model's device, in its
-    dtype), in eval mode and without autocast, for :func:`gradient_head_importance`."""
+    dtype), in eval mode and without autocast, for :func:`gradient_head_importance`;
+    ``progress()`` after each batch."""
     total = torch.zeros(gate.shape, dtype=torch.float64, device=gate.device)
     count = 0
     with (
@@ -93,6 +94,7 @@ def _gate_gradients(
             (grad,) = torch.autograd.grad(loss, gate)
             total += grad.abs().double() * len(y)
             count += len(y)
+            progress()
     return total, count
 
 
@@ -102,6 +104,7 @@ def gradient_head_importance(
     *,
     device: torch.device | str | None = None,
     mask: torch.Tensor | None = None,
+    progress: Callable[[], None] = lambda: None,
 ) -> torch.Tensor:
     """Gradient head importance (Michel, Levy and Neubig 2019, eq. 2).
 
@@ -135,6 +138,7 @@ def gradient_head_importance(
             importance is taken in the model with those heads pruned, as in the iterative
             pruning of Michel et al. 2019, section 4 (a removed head's own entry is then
             the gradient of putting it back).
+        progress: called once per batch.
 
     Returns:
         (depth, heads) float32 on the CPU, >= 0, in units of loss (nats) per unit of gate;
@@ -158,7 +162,7 @@ def gradient_head_importance(
     gate = torch.ones(shape) if mask is None else mask.detach().clone()
     gate = gate.to(device, dtype).requires_grad_(True)
     try:
-        total, count = _gate_gradients(model, gate, batches)
+        total, count = _gate_gradients(model, gate, batches, progress)
     finally:
         model.to(home)
     if count == 0:
@@ -179,9 +183,17 @@ def each_head_zeroed(
 
 
 def head_importance(
-    trainer: L.Trainer, module: L.LightningModule, loader: DataLoader
+    trainer: L.Trainer,
+    module: L.LightningModule,
+    loader: DataLoader,
+    *,
+    progress: Callable[[], None] = lambda: None,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Test accuracy and loss with each head's output zeroed in turn (Michel et al. 2019).
+
+    Args:
+        progress: called once per pass over ``loader``: the baseline's, then each head's
+            (heads + 1 calls).
 
     Returns:
         The baseline (``acc``, ``loss``) and one row per (layer, head) with ``acc``,
@@ -190,7 +202,11 @@ def head_importance(
     """
     model: VisionTransformer = module.net
 
-    score = functools.partial(accuracy_and_loss, trainer, module, loader)
+    def score() -> tuple[float, float]:
+        result = accuracy_and_loss(trainer, module, loader)
+        progress()
+        return result
+
     base_acc, base_loss = score()
     rows = [
         {
@@ -207,13 +223,19 @@ def head_importance(
 
 
 def class_head_importance(
-    trainer: L.Trainer, module: L.LightningModule, loader: DataLoader, class_names: Sequence[str]
+    trainer: L.Trainer,
+    module: L.LightningModule,
+    loader: DataLoader,
+    class_names: Sequence[str],
+    *,
+    progress: Callable[[], None] = lambda: None,
 ) -> list[dict[str, Any]]:
     """Which digits each head matters for: the accuracy lost on each class when the head's
     output is zeroed (the ablation of Michel et al. 2019, :func:`heads_zeroed`, split by
     the true class, as Voita et al. 2019 read heads' roles from what removing them breaks).
 
-    One pass over ``loader`` per head, with ``trainer`` (its device and precision).
+    One pass over ``loader`` per head, with ``trainer`` (its device and precision), after
+    the baseline's; ``progress`` is called once per pass (heads + 1 calls).
 
     Returns:
         One row per (layer, head): ``layer``, ``head``, ``acc_drop`` (over all images) and
@@ -229,6 +251,7 @@ def class_head_importance(
         right = (logits.argmax(1) == labels).double()
         count = torch.bincount(labels, minlength=num_classes).double()
         right_per_class = torch.bincount(labels, weights=right, minlength=num_classes)
+        progress()
         return float(right.mean()), right_per_class / count.clamp_min(1)
 
     base, base_per_class = accuracies()

@@ -20,6 +20,7 @@ denominator explodes), so 1 means "all of it" and 0 "none" in both directions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -96,8 +97,10 @@ def _patch_all(
     b: torch.Tensor,
     kinds: tuple[str, ...],
     chunk: int,
+    progress: Callable[[], None],
 ) -> dict[str, torch.Tensor]:
-    """Logit differences of ``base``'s run with each activation of ``source`` patched in."""
+    """Logit differences of ``base``'s run with each activation of ``source`` patched in;
+    ``progress()`` after each layer."""
     n, tokens = base.embed.shape[:2]
     per_pass = max(1, chunk // n)  # variants per forward pass of about ``chunk`` images
 
@@ -146,6 +149,7 @@ def _patch_all(
             results["resid"].append(run(variants, layer, False).T)  # (N, T)
         if "resid_all" in kinds:
             results["resid_all"].append(run([pre_source], layer, False)[0])  # (N,)
+        progress()
     return {kind: torch.stack(per_layer, dim=1) for kind, per_layer in results.items()}
 
 
@@ -160,6 +164,7 @@ def activation_patching(
     directions: tuple[str, ...] = DIRECTIONS,
     kinds: tuple[str, ...] = KINDS,
     chunk: int = 4096,
+    progress: Callable[[], None] = lambda: None,
 ) -> PatchingResult:
     """Patch every head output (at every token and at each token), every MLP output and
     the residual stream before every block (at each token and whole) between pairs of
@@ -179,6 +184,8 @@ def activation_patching(
         directions: a subset of :data:`DIRECTIONS`.
         kinds: a subset of :data:`KINDS`.
         chunk: images per forward pass (memory, not results).
+        progress: called once per direction and layer patched: ``len(directions) *
+            model.depth`` calls.
 
     Returns:
         :class:`PatchingResult`, on the CPU; ``score(direction, kind)`` normalises it.
@@ -210,7 +217,9 @@ def activation_patching(
         result = PatchingResult(lds[0], lds[1], tokens=runs[0].embed.shape[1])
         for direction in directions:
             base, source = runs[::-1] if direction == "denoising" else runs
-            result.patched[direction] = _patch_all(model, base, source, a, b, kinds, chunk)
+            result.patched[direction] = _patch_all(
+                model, base, source, a, b, kinds, chunk, progress
+            )
     return result
 
 
