@@ -6,6 +6,7 @@ own module, :mod:`vit_mnist.tasks.evaluate.pruning`)."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,13 @@ import torch
 from torchmetrics.functional.regression import spearman_corrcoef
 
 from vit_mnist.analysis.attention import head_statistics
-from vit_mnist.analysis.faithfulness import explanation_maps, faithfulness_figure, perturbation_test
+from vit_mnist.analysis.components import head_counts
+from vit_mnist.analysis.faithfulness import (
+    explanation_maps,
+    faithfulness_figure,
+    perturbation_passes,
+    perturbation_test,
+)
 from vit_mnist.analysis.heads import (
     class_head_importance,
     gradient_head_importance,
@@ -32,6 +39,7 @@ from vit_mnist.analysis.logit_lens import lens_figure, logit_lens
 from vit_mnist.analysis.patching import DIRECTIONS, activation_patching, patching_figures
 from vit_mnist.analysis.patching import ROW_COLUMNS as PATCHING_COLUMNS
 from vit_mnist.analysis.roles import ROLE_COLUMNS, head_roles, parts_figure, roles_figure
+from vit_mnist.console import progress
 from vit_mnist.errors import ConfigError
 from vit_mnist.io import save_figure, save_png, write_csv
 from vit_mnist.models.vit import VisionTransformer
@@ -97,9 +105,10 @@ def _add_head_statistics(model: VisionTransformer, images: torch.Tensor, rows) -
         r["mean_distance_px"] = round(float(distance[r["layer"], r["head"]]), 3) if head else ""
 
 
-def analyse_heads(trainer: L.Trainer, run: EvalRun) -> dict[str, Any]:
+def analyse_heads(trainer: L.Trainer, run: EvalRun, *, bar: bool = True) -> dict[str, Any]:
     """Head importance (ablation and gradient) and head statistics, written as CSV, PNG
-    and TensorBoard scalars.
+    and TensorBoard scalars; ``bar``: progress bars (one pass over the test images per
+    head, then one backward pass per batch).
 
     Returns:
         ``head_importance``: ``baseline`` (``acc``, ``loss``) and ``heads`` (the CSV rows),
@@ -108,9 +117,12 @@ def analyse_heads(trainer: L.Trainer, run: EvalRun) -> dict[str, Any]:
         zeroed, in [-1, 1] (NaN when either is constant).
     """
     model = run.module.net
-    baseline, rows = head_importance(trainer, run.module, run.loader)
+    with progress(sum(head_counts(model)) + 1, "heads zeroed", enabled=bar) as shown:
+        baseline, rows = head_importance(trainer, run.module, run.loader, progress=shown.update)
     # One backward pass per test batch, in float32 (Michel et al. 2019, eq. 2).
-    grad = gradient_head_importance(model, run.loader, device=trainer.strategy.root_device)
+    with progress(len(run.loader), "gradient importance", enabled=bar) as shown:
+        device = trainer.strategy.root_device
+        grad = gradient_head_importance(model, run.loader, device=device, progress=shown.update)
     for r in rows:
         r["grad_importance"] = round(float(grad[r["layer"], r["head"]]), 6)
     _add_head_statistics(model, run.images, rows)
@@ -148,21 +160,27 @@ def analyse_heads(trainer: L.Trainer, run: EvalRun) -> dict[str, Any]:
     }
 
 
-def analyse_roles(trainer: L.Trainer, run: EvalRun, pixels: torch.Tensor) -> list[dict[str, Any]]:
+def analyse_roles(
+    trainer: L.Trainer, run: EvalRun, pixels: torch.Tensor, *, bar: bool = True
+) -> list[dict[str, Any]]:
     """What each head does (:mod:`vit_mnist.analysis.roles`): ``roles.csv``,
     ``roles.png``, ``roles_parts.png`` (the stroke ends and curves found on the first 20
     images) and TensorBoard (the two figures, scalars ``roles/<figure>/layer_<l>/head_<h>``).
 
     Args:
         pixels: ``run.images`` in [0, 1], ink bright.
+        bar: progress bars (per batch of images, then per pass with a head zeroed).
 
     Returns:
         The CSV's rows: ``layer``, ``head``, the role figures (``ROLE_COLUMNS``), and the
         per-class accuracy drops of :func:`class_head_importance`.
     """
     names = run.class_names
-    rows = head_roles(run.module.net, run.images, pixels)
-    drops = class_head_importance(trainer, run.module, run.loader, names)
+    model, batch = run.module.net, 250
+    with progress(math.ceil(len(pixels) / batch), "head roles", enabled=bar) as shown:
+        rows = head_roles(model, run.images, pixels, batch_size=batch, progress=shown.update)
+    with progress(sum(head_counts(model)) + 1, "heads zeroed", enabled=bar) as shown:
+        drops = class_head_importance(trainer, run.module, run.loader, names, progress=shown.update)
     for row, drop in zip(rows, drops, strict=True):
         row.update({k: v for k, v in drop.items() if k not in ("layer", "head")})
     write_csv(run.out / "roles.csv", rows)
@@ -224,7 +242,9 @@ def token_names(model: VisionTransformer) -> list[str]:
     return prefix + [f"{r},{c}" for r in range(grid) for c in range(grid)]
 
 
-def analyse_circuits(run: EvalRun, pairs: list[tuple[int, int]], *, pair_images: int) -> dict:
+def analyse_circuits(
+    run: EvalRun, pairs: list[tuple[int, int]], *, pair_images: int, bar: bool = True
+) -> dict:
     """What each head writes: direct logit attribution (per head and class), the logit
     lens and activation patching between class pairs, as CSV, PNG, TensorBoard and a
     terminal summary (:mod:`vit_mnist.analysis.logit_attribution`,
@@ -233,7 +253,8 @@ def analyse_circuits(run: EvalRun, pairs: list[tuple[int, int]], *, pair_images:
     For each (a, b) of ``pairs`` the first ``pair_images`` images of class a and of class
     b that the model classifies right are paired in order; ``logit_a - logit_b`` is the
     metric. A distilled model's attribution is its CLS head's (the prediction averages two
-    heads' softmax, which is not a sum).
+    heads' softmax, which is not a sum). ``bar``: a progress bar of the patching, one step
+    per pair, direction and layer.
 
     Writes ``circuits_heads.csv`` (per component: mean direct contribution to the true
     class and to the margin over the runner-up, overall and per class, and each head's
@@ -255,16 +276,7 @@ def analyse_circuits(run: EvalRun, pairs: list[tuple[int, int]], *, pair_images:
         _add_head_statistics(model, images, rows)  # where a head looks, beside what it writes
         lens = logit_lens(model, images, labels)
         right = lens.predictions[:, -1] == labels
-        patched = []
-        for a, b in pairs:
-            clean = images[right & (labels == a)][:pair_images]
-            corrupted = images[right & (labels == b)][:pair_images]
-            n = min(len(clean), len(corrupted))
-            if n == 0:
-                log.warning("no correctly classified images of %s or %s to patch", a, b)
-                continue
-            result = activation_patching(model, clean[:n], corrupted[:n], a, b)
-            patched.append(((a, b, n), result))
+        patched = _patch_pairs(model, images[right], labels[right], pairs, pair_images, bar)
     finally:
         model.cpu()
     write_csv(run.out / "circuits_heads.csv", rows)
@@ -303,6 +315,26 @@ def analyse_circuits(run: EvalRun, pairs: list[tuple[int, int]], *, pair_images:
     }
 
 
+def _patch_pairs(model, images, labels, pairs, pair_images: int, bar: bool) -> list:
+    """``((a, b, n), PatchingResult)`` for each pair (a, b) with images of both classes:
+    the first ``n <= pair_images`` of ``images`` of class a paired in order with those of
+    class b; a progress bar of one step per pair, direction and layer."""
+    patched, per_pair = [], len(DIRECTIONS) * model.depth
+    with progress(len(pairs) * per_pair, "activation patching", enabled=bar) as shown:
+        for a, b in pairs:
+            clean, corrupted = images[labels == a][:pair_images], images[labels == b][:pair_images]
+            n = min(len(clean), len(corrupted))
+            if n == 0:
+                log.warning("no correctly classified images of %s or %s to patch", a, b)
+                shown.update(per_pair)
+                continue
+            result = activation_patching(
+                model, clean[:n], corrupted[:n], a, b, progress=shown.update
+            )
+            patched.append(((a, b, n), result))
+    return patched
+
+
 def _print_circuits(rows, lens, patched, names) -> None:
     """The terminal summary of :func:`analyse_circuits`."""
     print("direct logit attribution (logits, mean over images; margin = true - runner-up)")
@@ -331,13 +363,15 @@ def _print_circuits(rows, lens, patched, names) -> None:
         )
 
 
-def analyse_faithfulness(run: EvalRun, num_images: int, *, fill: float, seed: int) -> dict:
+def analyse_faithfulness(
+    run: EvalRun, num_images: int, *, fill: float, seed: int, bar: bool = True
+) -> dict:
     """The perturbation test of every explanation method on the first ``num_images`` of
     ``run.images``, written as ``faithfulness.csv``, ``faithfulness.png`` and TensorBoard.
 
     Blanked patches take the value ``fill`` (the normalised background); ``seed`` seeds
     the random baseline. The model is moved to ``run.device`` for the test and back to the
-    CPU afterwards.
+    CPU afterwards. ``bar``: a progress bar, one step per accuracy measured.
 
     Returns:
         ``faithfulness/<method>/positive_auc`` and ``.../negative_auc`` (areas in [0, 1]
@@ -347,7 +381,10 @@ def analyse_faithfulness(run: EvalRun, num_images: int, *, fill: float, seed: in
     model.to(run.device)
     try:
         scores = explanation_maps(model, images, seed=seed)
-        result = perturbation_test(model, images, labels, scores, fill=fill)
+        with progress(perturbation_passes(scores), "perturbation test", enabled=bar) as shown:
+            result = perturbation_test(
+                model, images, labels, scores, fill=fill, progress=shown.update
+            )
     finally:
         model.cpu()
     rows = result.rows()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -108,24 +109,34 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         plan = plan_pruning(quiet(), module, datamodule, cfg.prune, ckpt_path, bar=bar)
     results = _test(trainer, module, datamodule, ckpt_path, split)
     run, metrics, cm = _report(cfg, trainer, module, datamodule, results, ckpt_path)
-    if analysis == "heads":
-        metrics.update(analyse_heads(quiet(), run))
-    elif analysis == "faithfulness":
-        settings = cfg.get("faithfulness") or {}
-        num_images, seed = int(settings.get("num_images", 1000)), int(settings.get("seed", 0))
-        fill = float(getattr(datamodule, "background", 0.0))
-        metrics.update(analyse_faithfulness(run, num_images, fill=fill, seed=seed))
-    elif analysis == "roles":
-        pixels = run.images * getattr(datamodule, "std", 1.0) + getattr(datamodule, "mean", 0.0)
-        metrics["head_roles"] = analyse_roles(quiet(), run, pixels)
-    elif analysis == "prune":
+    if analysis == "prune":
         metrics.update(report_pruning(quiet(), run, ckpt, plan, bar))
-    elif analysis == "circuits":
-        pairs = circuit_pairs(cm, cfg.circuits)
-        metrics.update(analyse_circuits(run, pairs, pair_images=int(cfg.circuits.pair_images)))
+    elif analysis:
+        start = time.perf_counter()
+        metrics.update(_analyse(cfg, quiet(), run, datamodule, cm, bar=bar))
+        log.info("analysis=%s done (%.0f s)", analysis, time.perf_counter() - start)
     if run.writer is not None:
         run.writer.flush()  # the figures above, on disk before evaluate returns
     return write_metrics(run.out / "metrics.json", metrics)
+
+
+def _analyse(cfg: DictConfig, trainer: L.Trainer, run, datamodule, cm, *, bar: bool) -> dict:
+    """The metrics of ``cfg.analysis`` (heads, faithfulness, roles or circuits) on ``run``,
+    with ``trainer`` for the passes that use one and progress bars when ``bar``; ``cm``:
+    the confusion matrix (rows true, columns predicted) that picks the circuits' pairs."""
+    analysis = cfg.analysis
+    if analysis == "heads":
+        return analyse_heads(trainer, run, bar=bar)
+    if analysis == "faithfulness":
+        settings = cfg.get("faithfulness") or {}
+        num_images, seed = int(settings.get("num_images", 1000)), int(settings.get("seed", 0))
+        fill = float(getattr(datamodule, "background", 0.0))
+        return analyse_faithfulness(run, num_images, fill=fill, seed=seed, bar=bar)
+    if analysis == "roles":
+        pixels = run.images * getattr(datamodule, "std", 1.0) + getattr(datamodule, "mean", 0.0)
+        return {"head_roles": analyse_roles(trainer, run, pixels, bar=bar)}
+    pairs = circuit_pairs(cm, cfg.circuits)  # circuits
+    return analyse_circuits(run, pairs, pair_images=int(cfg.circuits.pair_images), bar=bar)
 
 
 def _load_module(cfg: DictConfig, ckpt_path: Path) -> ViTClassifier:
