@@ -374,6 +374,26 @@ class Resume:
 RESUMED_MODULE_KEYS = ("lr", "weight_decay", "betas", "warmup_epochs", "min_lr_ratio")
 
 
+def _check_not_finished(path: Path, ckpt: dict[str, Any], trainer: DictConfig) -> None:
+    """Refuse a checkpoint that has already trained ``trainer.max_epochs`` epochs (its
+    ``epoch`` counts the finished ones) or ``trainer.max_steps`` steps: the run would train
+    nothing, so it stops here, before the data are read or the speed paths timed."""
+    epochs, max_epochs = int(ckpt.get("epoch", 0)), trainer.get("max_epochs")
+    if max_epochs is not None and max_epochs != -1 and epochs >= max_epochs:
+        reached = "more than" if epochs > max_epochs else "all of"
+        raise ConfigError(
+            f"ckpt_path={path} has trained {epochs} epochs, {reached} trainer.max_epochs="
+            f"{max_epochs}: nothing is left to train. Set trainer.max_epochs above {epochs} "
+            "to train on, or leave ckpt_path out to start a new run"
+        )
+    steps, max_steps = int(ckpt.get("global_step", 0)), trainer.get("max_steps")
+    if max_steps is not None and max_steps > 0 and steps >= max_steps:
+        raise ConfigError(
+            f"ckpt_path={path} has trained {steps} steps, trainer.max_steps={max_steps}: "
+            f"nothing is left to train. Set trainer.max_steps above {steps} to train on"
+        )
+
+
 def resume_checkpoint(cfg: DictConfig) -> Resume:
     """For ``ckpt_path=PATH`` (or ``latest``): the checkpoint to resume, its global step and
     the module settings it keeps (its :data:`RESUMED_MODULE_KEYS` that differ from
@@ -384,7 +404,8 @@ def resume_checkpoint(cfg: DictConfig) -> Resume:
 
     Raises:
         ConfigError: the checkpoint was trained with another model than ``cfg.model``, or
-            for more epochs than ``trainer.max_epochs``, or with another ``data.batch_size``
+            for ``trainer.max_epochs`` epochs or more (or ``max_steps``: nothing left to train),
+            or with another ``data.batch_size``
             (the schedule's step count and the epoch's batches were laid out for its own).
         CheckpointError: see :func:`read_checkpoint`.
     """
@@ -401,13 +422,7 @@ def resume_checkpoint(cfg: DictConfig) -> Resume:
             "Resume it with its own model settings, or leave ckpt_path out to start a new run"
         )
     # Lightning refuses this after the restore, with a traceback; said here in one line.
-    epochs, max_epochs = int(ckpt.get("epoch", 0)), cfg.trainer.get("max_epochs")
-    if max_epochs is not None and max_epochs != -1 and epochs > max_epochs:
-        raise ConfigError(
-            f"ckpt_path={path} has trained {epochs} epochs, more than trainer.max_epochs="
-            f"{max_epochs}: set trainer.max_epochs above {epochs} to train on, or leave "
-            "ckpt_path out to start a new run"
-        )
+    _check_not_finished(path, ckpt, cfg.trainer)
     batch_size = ckpt.get(RUN_INFO_KEY, {}).get("data", {}).get("batch_size")
     if batch_size is not None and batch_size != cfg.data.batch_size:
         raise ConfigError(
