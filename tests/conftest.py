@@ -102,17 +102,29 @@ def _private_cache(tmp_path_factory):
         os.environ["VIT_MNIST_CACHE"] = old
 
 
+@pytest.fixture(autouse=True)
+def _private_speed_choices(monkeypatch, tmp_path):
+    """Each test starts with no stored speed choice (vit_mnist/speed/stored_choices.py):
+    a choice stored by one test would be reused by the next with the same model."""
+    from vit_mnist.speed import stored_choices
+
+    file = tmp_path / "speed_choices" / stored_choices.FILE_NAME
+    monkeypatch.setattr(stored_choices, "store_path", lambda: file)
+
+
 @pytest.fixture
 def one_round_auto(monkeypatch):
-    """``speed.path=auto`` timing each candidate for one round of one step: enough for a
-    test of what is done with the figures; the rounds have tests of their own
-    (tests/test_speed.py)."""
+    """``speed.path=auto`` timing each candidate for one round of one step, even before a
+    tiny run: enough for a test of what is done with the figures; the rounds have tests of
+    their own (tests/test_speed.py)."""
     import functools
 
     from vit_mnist.speed import choose
 
     timing = functools.partial(choose.time_candidates, rounds=1, steps=1, min_round_s=0.0)
     monkeypatch.setattr(choose, "time_candidates", timing)
+    # A tiny run counts as long enough to time (one_round_auto's users test the timing).
+    monkeypatch.setattr(choose, "too_short_to_time", lambda pairs, steps: False)
 
 
 @pytest.fixture(autouse=True)

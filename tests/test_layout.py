@@ -44,6 +44,7 @@ LAYERS: list[str] = [
     "vit_mnist.training.distillation",
     # the speed layer, which wraps the reference model
     "vit_mnist.speed.choose",
+    "vit_mnist.speed.stored_choices",
     "vit_mnist.speed.native",
     "vit_mnist.speed.forward",
     # the analyses, and the pictures they draw

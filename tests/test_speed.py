@@ -245,7 +245,7 @@ def test_auto_measures_and_picks_the_fastest(monkeypatch, one_round_auto):
     state = {k: v.clone() for k, v in net.state_dict().items()}
     rng = torch.get_rng_state()
     first = choose(net, device=CPU, batch_size=16)
-    assert first.how == "measured" and "measured in" in first.describe(CPU)
+    assert first.how == "measured" and "measured now in" in first.describe(CPU)
     assert first.images_per_s[f"{first.path} {first.precision}"] == max(first.images_per_s.values())
     assert set(first.images_per_s) >= {"reference 32-true", "fused 32-true"}
     # The timing ran on a copy and put the random-number state back.
@@ -343,7 +343,7 @@ def _fake_timing(speeds: dict[str, float], calls: list):
 
     def time_candidates(net, pairs, **kwargs):
         calls.append([f"{p} {q}" for p, q in pairs])
-        return {f"{p} {q}": speeds[f"{p} {q}"] for p, q in pairs}
+        return choose_mod.Timing({f"{p} {q}": speeds[f"{p} {q}"] for p, q in pairs})
 
     return time_candidates
 
@@ -411,6 +411,19 @@ def _counted_path(name: str, steps: dict[str, int], delay_s: float | list[float]
 
 
 def test_timing_interleaves_every_candidate_over_every_round(monkeypatch):
+    steps = {"a": 0, "b": 0}
+    paths = {name: _counted_path(name, steps, 0.002) for name in steps}
+    monkeypatch.setattr(choose_mod, "PATHS", paths)
+    net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
+    pairs = [("a", "32-true"), ("b", "32-true")]
+    timing = choose_mod.time_candidates(
+        net, pairs, device=CPU, batch_size=4, rounds=3, steps=2, min_round_s=0.0, budget_s=1e9
+    )
+    # One untimed first step each, two untimed rounds, then three rounds of two steps each.
+    assert steps == {"a": 11, "b": 11} and timing.rounds == 3 and not timing.dropped
+
+
+def test_a_candidate_that_cannot_win_is_dropped_early(monkeypatch):
     steps = {"reference": 0, "slow": 0}
     paths = {
         "reference": _counted_path("reference", steps),
@@ -419,13 +432,15 @@ def test_timing_interleaves_every_candidate_over_every_round(monkeypatch):
     monkeypatch.setattr(choose_mod, "PATHS", paths)
     net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
     pairs = [("reference", "32-true"), ("slow", "32-true")]
-    speeds = choose_mod.time_candidates(
-        net, pairs, device=CPU, batch_size=4, rounds=3, steps=2, min_round_s=0.0, budget_s=1e9
+    timing = choose_mod.time_candidates(
+        net, pairs, device=CPU, batch_size=4, rounds=5, steps=2, min_round_s=0.0, budget_s=1e9
     )
     # A step of the slow path sleeps 0.1 s: no round of it can beat 4 images / 0.1 s.
-    assert 0 < speeds["slow 32-true"] <= 4 / 0.1 and speeds["reference 32-true"] > 0
-    # One untimed first step each, two untimed rounds, then three rounds of two steps each.
-    assert steps == {"reference": 11, "slow": 11}
+    assert 0 < timing.figures["slow 32-true"] <= 4 / 0.1
+    assert timing.figures["reference 32-true"] > 4 / 0.1
+    # Dropped after two timed rounds, which leaves one candidate: the timing ends there.
+    assert timing.dropped == ["slow 32-true"]
+    assert steps == {"reference": 1 + 2 * 2 + 2 * 2, "slow": 1 + 2 * 2 + 2 * 2}
 
 
 def test_a_candidate_counts_with_its_median_round_not_a_lucky_one(monkeypatch):
@@ -447,7 +462,7 @@ def test_a_candidate_counts_with_its_median_round_not_a_lucky_one(monkeypatch):
         warmup_rounds=0,
     )
     # The lucky round alone ran at about 4 / 0.002 = 2,000 images/s; the others at 80.
-    assert 0 < speeds["lucky 32-true"] <= 4 / 0.05
+    assert 0 < speeds.figures["lucky 32-true"] <= 4 / 0.05
 
 
 def test_timing_pays_the_loops_augmentation_in_every_step(monkeypatch):
@@ -571,15 +586,15 @@ def test_short_steps_are_timed_in_rounds_of_min_round_s(monkeypatch):
     )
     # The first step, then two untimed and two timed rounds of (1/8) / (1/64) = 8 steps.
     assert steps["reference"] == 1 + 2 * 8 + 8 + 8
-    assert speeds["reference 32-true"] == pytest.approx(4 * 64)
+    assert speeds.figures["reference 32-true"] == pytest.approx(4 * 64)
 
 
-def test_a_slow_step_is_still_timed_over_min_rounds(monkeypatch):
-    """A 2 s step (a big model on a 2-core CPU) passes the 6 s budget in the first round;
-    the median is still taken over min_rounds rounds, not one sample, and no more."""
+def test_a_slow_step_stops_at_the_budget_and_says_so(monkeypatch):
+    """A 2 s step (a big model on a busy 2-core CPU): the timing ends at its budget, within
+    one pair's steps of it, and says it was cut short, rather than run its rounds over."""
     steps = _clocked_reference(monkeypatch, 2.0)
     net = VisionTransformer(patch_size=14, embed_dim=16, depth=1, num_heads=2)
-    choose_mod.time_candidates(
+    timing = choose_mod.time_candidates(
         net,
         [("reference", "32-true")],
         device=CPU,
@@ -589,7 +604,10 @@ def test_a_slow_step_is_still_timed_over_min_rounds(monkeypatch):
         steps=2,
         budget_s=6.0,
     )
-    assert steps["reference"] == 1 + 2 * 2 + 3 * 2  # 2 untimed rounds, then 3 of two steps
+    # The first step (2 s) and two untimed rounds of two steps (to 10 s): then over 6 s.
+    assert steps["reference"] == 1 + 2 * 2
+    assert timing.cut_short and not timing.agrees()
+    assert timing.figures == {"reference 32-true": 4 / 2.0}
 
 
 def test_a_candidate_slow_in_its_first_steps_is_timed_once_it_has_settled(monkeypatch):
@@ -615,7 +633,8 @@ def test_a_candidate_slow_in_its_first_steps_is_timed_once_it_has_settled(monkey
             budget_s=1e9,
             warmup_rounds=warmup_rounds,
         )
-        assert max(speeds, key=speeds.get) == f"{fastest} 32-true", (warmup_rounds, speeds)
+        figures = speeds.figures
+        assert max(figures, key=figures.get) == f"{fastest} 32-true", (warmup_rounds, figures)
 
 
 def test_prepare_speed_sets_the_step_and_leaves_the_checkpoint_keys_alone():

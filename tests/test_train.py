@@ -156,7 +156,7 @@ def test_compile_path_keeps_plain_checkpoints(make_train_cfg, monkeypatch):
 def test_model_compile_is_refused_with_the_new_setting(make_train_cfg):
     with pytest.raises(ConfigError, match=r"model.compile is no longer .* speed.path=compile"):
         train(make_train_cfg("+model.compile=true"))
-    with pytest.raises(ConfigError, match=r"speed.cache is gone: .* afresh in every run"):
+    with pytest.raises(ConfigError, match=r"speed.cache is gone: .* speed.remeasure=true"):
         train(make_train_cfg("+speed.cache=false"))
     # The schema's choices are the speed layer's path names (and auto).
     with pytest.raises(ConfigError, match=r"speed.path=warp is not one of \['auto', 'reference'"):

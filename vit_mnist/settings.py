@@ -184,6 +184,7 @@ class OpenBuilt(Built):
 class SpeedSettings(Section):
     path: Literal[("auto", *PATH_NAMES)] = _f("speed.path=auto")
     compile: bool = _f()
+    remeasure: bool = _f()
 
 
 class AugmentSettings(Section):
@@ -585,7 +586,10 @@ RETIRED: dict[str, str] = {
         "is no longer a model setting: torch.compile is one of the speed paths; use "
         "speed.path=compile (or speed.compile=true, with which speed.path=auto times it too)"
     ),
-    "speed.cache": "is gone: speed.path=auto times the paths afresh in every run; drop it",
+    "speed.cache": (
+        "is gone: speed.path=auto stores its choice and reuses it; drop it, or set "
+        "speed.remeasure=true to time the paths afresh"
+    ),
     "hydra.sweeper.direction": (
         "is gone: an Optuna study's direction is its optimized_metric's (val/loss is "
         "minimised, the accuracies maximised); drop it"

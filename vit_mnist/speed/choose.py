@@ -8,6 +8,7 @@ import functools
 import importlib.util
 import logging
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -19,12 +20,14 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
+from vit_mnist.console import progress
 from vit_mnist.errors import ConfigError
 from vit_mnist.hardware import describe_device, has_native_bf16, resolve_accelerator
 from vit_mnist.models.vit import VisionTransformer
 from vit_mnist.settings import PATH_NAMES
-from vit_mnist.speed import native
+from vit_mnist.speed import cache_root, native
 from vit_mnist.speed.forward import add_norm, handwritten_backward_core, sdpa_core, vit_forward
+from vit_mnist.speed.stored_choices import StoredChoice, choice_key, read_choice, write_choice
 
 log = logging.getLogger(__name__)
 
@@ -143,12 +146,25 @@ PATHS: dict[str, TrainingPath] = dict(
 )
 
 
+# How a choice was made, as metrics.json's speed_choice and the log line say it.
+HOW = {
+    "forced": "forced",
+    "measured": "measured now in {seconds:.2f} s",
+    "reused": "reused in {seconds:.2f} s, speed.remeasure=true measures again",
+    "re-timed": "reused, its leaders timed again now in {seconds:.2f} s",
+    "default": "not timed, the class's default",
+}
+
+
 @dataclass
 class Choice:
     """The ``path`` (a key of :data:`PATHS`) and Lightning ``precision`` a run trains with;
-    ``images_per_s`` (``"path precision" -> images/s``) of every candidate timed, in
-    ``seconds`` of wall time, ``how`` (``measured`` or ``forced``), and ``skipped``
-    (``path -> why`` for the paths not timed)."""
+    ``images_per_s`` (``"path precision" -> images/s``, the median over the stored runs'
+    timings) it was chosen on, ``seconds`` of wall time spent choosing, ``how``
+    (:data:`HOW`), ``skipped`` (``path -> why`` for the paths not timed), ``note`` (what the
+    log line adds: when it was measured, what the timing saw) and ``key`` (the stored
+    choice's, :func:`~vit_mnist.speed.stored_choices.choice_key`; None where none is
+    stored)."""
 
     path: str
     precision: str
@@ -156,11 +172,15 @@ class Choice:
     seconds: float = 0.0
     how: str = "forced"
     skipped: dict[str, str] = field(default_factory=dict)
+    note: str = ""
+    key: dict[str, Any] | None = None
 
     def describe(self, device: torch.device) -> str:
-        """One log line: the choice, how long it took, every figure, what was left out."""
-        took = "" if self.how == "forced" else f" in {self.seconds:.2f} s"
-        line = f"speed path: {self.path}, precision {self.precision} ({self.how}{took}; "
+        """One log line: the choice, how it was made and in how long, every figure, what
+        was left out."""
+        how = HOW[self.how].format(seconds=self.seconds)
+        note = f"; {self.note}" if self.note else ""
+        line = f"speed path: {self.path}, precision {self.precision} ({how}{note}; "
         line += describe_device(device) + ")"
         figures = ", ".join(f"{k} {v:,.0f}" for k, v in self.images_per_s.items())
         line += f"; images/s: {figures}" if figures else ""
@@ -208,6 +228,45 @@ def candidates(
     return pairs, skipped
 
 
+# The timing's share of a run's projected fitting time, and its ceiling in seconds: a run
+# too short to pay for the timing's least (one untimed step, the untimed and the minimum
+# timed rounds of every candidate) trains on the stored choice, or the class's default.
+TIMING_SHARE = 0.05
+MAX_TIMING_S = 15.0
+# A candidate whose best round so far is below this share of the leader's median round is
+# dropped: on a shared VM one round moves by 10% or more either way, never by 20%
+# twice over (docs/speed.md).
+DROP_BELOW = 0.8
+# Rounds disagree when the leader's fastest round is this much above its slowest: the
+# machine's speed moved during the timing, and the next run times the leaders again.
+ROUNDS_AGREE = 0.25
+# A loop below this share of the chosen step's stored figure ran "well short" of it (the
+# loop ran at 0.74 to 1.15 of the step on idle machines, docs/speed.md): the choice is
+# timed again by the next run.
+LOOP_SHORT = 0.6
+# The leaders an unsettled choice times again: those within this share of the best.
+LEADERS_WITHIN = 0.8
+
+
+@dataclass
+class Timing:
+    """What :func:`time_candidates` measured: ``figures`` (``"path precision"`` -> images/s,
+    each pair's median round; a pair with no timed round has its last untimed one),
+    ``spread`` (the leader's fastest round over its slowest, less 1), ``rounds`` (timed
+    rounds run), ``dropped`` (pairs dropped early, behind the leader) and ``cut_short``
+    (the budget ended it before ``min_rounds``)."""
+
+    figures: dict[str, float]
+    spread: float = 0.0
+    rounds: int = 0
+    dropped: list[str] = field(default_factory=list)
+    cut_short: bool = False
+
+    def agrees(self) -> bool:
+        """The rounds agreed within :data:`ROUNDS_AGREE` and all ``min_rounds`` ran."""
+        return self.spread <= ROUNDS_AGREE and not self.cut_short
+
+
 def time_candidates(
     net: VisionTransformer,
     pairs: list[Pair],
@@ -219,19 +278,24 @@ def time_candidates(
     warmup_rounds: int = 2,
     steps: int = 2,
     min_round_s: float = 0.1,
-    budget_s: float = 6.0,
+    budget_s: float = MAX_TIMING_S,
+    steps_to_train: float | None = None,
     augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> dict[str, float]:
-    """Images/s of each (path, precision) pair: ``"path precision" -> images/s``, the median
-    of ``rounds`` interleaved rounds (order reversed every other round) of ``steps`` steps,
-    or as many as fill ``min_round_s`` seconds, after ``warmup_rounds`` untimed ones: in a
-    fresh process the first candidate's first rounds ran 40-60% slow while the allocator
-    grew its heap (docs/speed.md, "How auto chooses"). The rounds stop after ``budget_s``
-    seconds once ``min_rounds`` timed ones have run: one round is one sample of a machine
-    whose speed moves by 10% or more between rounds. A step is the loop's: ``augment`` of a
-    random batch of ``batch_size`` images, forward, cross-entropy, backward, fused AdamW
-    (docs/speed.md, "How auto chooses"). Runs on a copy of ``net`` and restores the
-    random-number state: the run that follows is unchanged."""
+    progress: Callable[[], None] = lambda: None,
+) -> Timing:
+    """Images/s of each (path, precision) pair, the median of up to ``rounds`` interleaved
+    rounds (order reversed every other round) of ``steps`` steps, or as many as fill
+    ``min_round_s`` seconds, after an untimed first step and ``warmup_rounds`` untimed
+    rounds: in a fresh process the first candidate's first rounds ran 40-60% slow while the
+    allocator grew its heap (docs/speed.md, "How auto chooses"). After 2 timed rounds a pair
+    whose best round is below :data:`DROP_BELOW` of the leader's median is dropped. The whole
+    timing stops at ``budget_s`` seconds, or at :data:`TIMING_SHARE` of
+    ``steps_to_train`` steps of the fastest first step where that is less, checked before
+    each pair's steps (so it ends within one pair's steps of it). A step
+    is the loop's: ``augment`` of a random batch of ``batch_size`` images, forward,
+    cross-entropy, backward, fused AdamW. Runs on a copy of ``net`` and restores the
+    random-number state: the run that follows is unchanged. ``progress`` is called once per
+    first step and once per round."""
     cuda = device.type == "cuda"
     with torch.random.fork_rng(devices=[device] if cuda else []):
         model = copy.deepcopy(net).to(device).train()
@@ -256,18 +320,108 @@ def time_candidates(
             sync()
             return (time.perf_counter() - start) / n
 
-        step_s = {pair: seconds_per_step(pair, 1) for pair in pairs}
-        speeds: dict[Pair, list[float]] = {pair: [] for pair in pairs}
-        start = time.perf_counter()
-        for r in range(-warmup_rounds, rounds):
-            for pair in pairs if r % 2 == 0 else pairs[::-1]:
-                n = max(steps, math.ceil(min_round_s / max(step_s[pair], 1e-6)))
-                step_s[pair] = seconds_per_step(pair, n)
-                if r >= 0:
-                    speeds[pair].append(batch_size / step_s[pair])
-            if r + 1 >= min_rounds and time.perf_counter() - start > budget_s:
+        return _rounds(
+            pairs,
+            seconds_per_step,
+            batch_size,
+            progress,
+            rounds=rounds,
+            min_rounds=min_rounds,
+            warmup_rounds=warmup_rounds,
+            steps=steps,
+            min_round_s=min_round_s,
+            budget_s=budget_s,
+            steps_to_train=steps_to_train,
+        )
+
+
+def _rounds(
+    pairs: list[Pair],
+    seconds_per_step: Callable[[Pair, int], float],
+    batch_size: int,
+    progress: Callable[[], None],
+    *,
+    rounds: int,
+    min_rounds: int,
+    warmup_rounds: int,
+    steps: int,
+    min_round_s: float,
+    budget_s: float,
+    steps_to_train: float | None,
+) -> Timing:
+    """:func:`time_candidates`' rounds over ``pairs``, each pair's step timed by
+    ``seconds_per_step(pair, n)`` (seconds a step over ``n`` steps)."""
+    start = time.perf_counter()
+    step_s: dict[Pair, float] = {}
+    for pair in pairs:  # untimed first steps; a pair not reached in budget is left out
+        if time.perf_counter() - start > budget_s:
+            break
+        step_s[pair] = seconds_per_step(pair, 1)
+        if steps_to_train is not None and len(step_s) == 1:  # a share of the run's time
+            budget_s = min(budget_s, TIMING_SHARE * steps_to_train * step_s[pair])
+        progress()
+    speeds: dict[Pair, list[float]] = {pair: [] for pair in step_s}
+    live, dropped, timed, out_of_time = list(step_s), [], 0, len(step_s) < len(pairs)
+    for r in range(-warmup_rounds, rounds if not out_of_time else -warmup_rounds):
+        for pair in live if r % 2 == 0 else live[::-1]:
+            out_of_time = time.perf_counter() - start > budget_s
+            if out_of_time:
                 break
-        return {f"{p} {q}": statistics.median(v) for (p, q), v in speeds.items()}
+            n = max(steps, math.ceil(min_round_s / max(step_s[pair], 1e-6)))
+            step_s[pair] = seconds_per_step(pair, n)
+            if r >= 0:
+                speeds[pair].append(batch_size / step_s[pair])
+        else:
+            timed += r >= 0
+            progress()
+        if r >= 1 and not out_of_time:
+            lead = max(statistics.median(speeds[p]) for p in live)
+            dropped += [p for p in live if max(speeds[p]) < DROP_BELOW * lead]
+            live = [p for p in live if p not in dropped]
+        if out_of_time or (dropped and len(live) == 1):
+            break
+    figures = {
+        f"{p} {q}": statistics.median(speeds[(p, q)]) if speeds[(p, q)] else batch_size / s
+        for (p, q), s in step_s.items()
+    }
+    best = max(step_s, key=lambda p: figures[f"{p[0]} {p[1]}"])
+    spread = max(speeds[best]) / min(speeds[best]) - 1 if speeds[best] else 0.0
+    cut_short = out_of_time and timed < min(min_rounds, rounds)
+    return Timing(figures, spread, timed, [f"{p} {q}" for p, q in dropped], cut_short)
+
+
+def default_pair(pairs: list[Pair], device: torch.device) -> Pair:
+    """The pair a run trains with when nothing is stored and the run is too short to time:
+    the path that led on the device's class in docs/speed.md (``native`` on CPUs, else
+    ``handwritten``; ``fused`` on CUDA), never a compiled one, at bfloat16 where that is a
+    candidate (the hardware computes it)."""
+    order = ["fused", "reference"] if device.type == "cuda" else ["native", "handwritten"]
+    names = [p for p, _ in pairs if not PATHS[p].compiles] or [p for p, _ in pairs]
+    path = next((p for p in order if p in names), names[0])
+    precisions = [q for p, q in pairs if p == path]
+    return path, "bf16-mixed" if "bf16-mixed" in precisions else precisions[0]
+
+
+def too_short_to_time(pairs: list[Pair], steps_to_train: int | None) -> bool:
+    """A run whose :data:`TIMING_SHARE` cannot pay for the least timing of ``pairs``: one
+    untimed step, two untimed and three timed rounds of two steps each (``steps_to_train``
+    None: unknown, taken as long)."""
+    least_steps = len(pairs) * (1 + (2 + 3) * 2)
+    return steps_to_train is not None and steps_to_train * TIMING_SHARE < least_steps
+
+
+def _leaders(stored: StoredChoice, pairs: list[Pair]) -> list[Pair]:
+    """What an unsettled choice times again: its two best pairs, any other within
+    :data:`LEADERS_WITHIN` of the best median, and the pairs it has no figure of (a timing
+    cut short before them), best first."""
+    medians = stored.medians()
+    ranked = sorted(pairs, key=lambda p: -medians.get(f"{p[0]} {p[1]}", math.inf))
+    best = max(medians.values())
+    return [
+        p
+        for i, p in enumerate(ranked)
+        if i < 2 or medians.get(f"{p[0]} {p[1]}", math.inf) >= LEADERS_WITHIN * best
+    ]
 
 
 def choose(
@@ -279,10 +433,20 @@ def choose(
     precision: str = "auto",
     include_compiled: bool = False,
     augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    model_args: dict[str, Any] | None = None,
+    steps_to_train: int | None = None,
+    remeasure: bool = False,
+    progress: Callable[[], None] = lambda: None,
 ) -> Choice:
     """The path and precision (each ``auto`` or forced) to train ``net`` (not modified) with
-    on ``device`` at ``batch_size`` images a step, timed afresh (:func:`time_candidates`,
-    with ``augment`` in each step; ``include_compiled`` lets ``auto`` time compiled paths).
+    on ``device`` at ``batch_size`` images a step, for a run of ``steps_to_train`` steps
+    (None: unknown). ``auto`` reuses the settled choice stored under the same key
+    (:func:`~vit_mnist.speed.stored_choices.choice_key`, with ``model_args``), times an
+    unsettled one's leaders again, and with none stored (or ``remeasure``) times every
+    candidate (:func:`time_candidates`, with ``augment`` and ``progress``) in
+    :data:`TIMING_SHARE` of the run's projected time, at most :data:`MAX_TIMING_S`; a run
+    too short for that (:func:`too_short_to_time`) takes the stored choice, else
+    :func:`default_pair`. ``include_compiled`` lets ``auto`` time compiled paths.
 
     Raises:
         ConfigError: a forced path that cannot run here.
@@ -291,31 +455,167 @@ def choose(
     pairs, skipped = candidates(device, path, precision, include_compiled, net)
     if len(pairs) == 1:
         return Choice(*pairs[0], skipped=skipped)
-    speeds = time_candidates(net, pairs, device=device, batch_size=batch_size, augment=augment)
-    best = max(speeds, key=speeds.get).split(" ")
-    return Choice(*best, speeds, time.perf_counter() - start, "measured", skipped)
+    key = choice_key(device, model_args or {}, batch_size, precision, pairs)
+    stored = None if remeasure else read_choice(key)
+    short = too_short_to_time(pairs, steps_to_train)
+    if stored is not None and (stored.settled or short):
+        return _from_store(stored, skipped, time.perf_counter() - start, "reused")
+    if short:
+        why = f"{steps_to_train} steps are too few to pay for a timing"
+        return Choice(
+            *default_pair(pairs, device), {}, time.perf_counter() - start, "default", skipped, why
+        )
+    # The likeliest winner first: a timing cut short by its budget has its figure.
+    first = default_pair(pairs, device)
+    timed = _leaders(stored, pairs) if stored else [first, *(p for p in pairs if p != first)]
+    timing = time_candidates(
+        net,
+        timed,
+        device=device,
+        batch_size=batch_size,
+        augment=augment,
+        budget_s=MAX_TIMING_S,
+        steps_to_train=steps_to_train,
+        progress=progress,
+    )
+    entry = stored or StoredChoice(key)
+    entry.add(timing.figures)
+    # Settled: rounds that agreed and, for an unsettled choice timed again, the same leader
+    # in this timing as over every run's figures; till then the next run times it again.
+    best = max(timing.figures, key=timing.figures.get)
+    entry.settled = timing.agrees() and entry.best() == best
+    how = "measured" if stored is None else "re-timed"
+    return _from_store(entry, skipped, time.perf_counter() - start, how, timing)
 
 
-def prepare_speed(module: Any, cfg: DictConfig, datamodule: Any = None) -> Choice:
+def _from_store(
+    entry: StoredChoice,
+    skipped: dict[str, str],
+    seconds: float,
+    how: str,
+    timing: Timing | None = None,
+) -> Choice:
+    """The choice: this run's ``timing``'s fastest where it timed (its candidates side by
+    side, at one moment of the machine), else the best median of ``entry``'s runs; the
+    entry is written back with one more run counted, and the note says what the timing
+    saw."""
+    entry.runs += 1
+    write_choice(entry)
+    figures = entry.medians() if timing is None else timing.figures
+    path, precision = max(figures, key=figures.get).split(" ")
+    note = f"chosen on {entry.measured_on}" if how != "measured" else "stored for later runs"
+    if timing is not None and timing.dropped:
+        note += "; dropped early: " + ", ".join(timing.dropped)
+    if timing is not None and not timing.agrees():
+        said = [f"rounds disagreed by {timing.spread:.0%}"] if timing.spread > ROUNDS_AGREE else []
+        said += [f"cut short after {timing.rounds} rounds"] if timing.cut_short else []
+        note += f"; {', '.join(said)}: the next run times the leaders again"
+    return Choice(path, precision, figures, seconds, how, skipped, note, entry.key)
+
+
+def note_loop_speed(choice: Choice, images_per_s: float | None, processes: int = 1) -> None:
+    """After training: where the loop ran at under :data:`LOOP_SHORT` of the stored figure
+    of the path and precision it trained with (``images_per_s``, images/s over all
+    ``processes``; None: not measured), the stored choice is marked unsettled, so that the
+    next run with its key times the leaders again: the guard against a lucky timing kept
+    for every later run."""
+    figure = choice.images_per_s.get(f"{choice.path} {choice.precision}")
+    images_per_s = images_per_s / processes if images_per_s else None
+    if choice.key is None or not figure or not images_per_s or images_per_s >= LOOP_SHORT * figure:
+        return
+    stored = read_choice(choice.key)
+    if stored is None:
+        return
+    stored.settled = False
+    write_choice(stored)
+    log.info(
+        "the loop ran at %s images/s, %.0f%% of the %s figure the speed path was chosen on: "
+        "the next run with this model times the leading paths again",
+        f"{images_per_s:,.0f}",
+        100 * images_per_s / figure,
+        f"{figure:,.0f}",
+    )
+
+
+def steps_to_train(cfg: DictConfig, datamodule: Any, start_step: int = 0) -> int | None:
+    """Optimiser steps the run ``cfg`` will take from ``start_step``: ``trainer.max_epochs``
+    epochs of the datamodule's ``train_size`` in ``data.batch_size`` batches (cut by
+    ``trainer.limit_train_batches`` and ``max_steps``), split over ``trainer.devices``
+    processes for DDP; None where the data's size or the epoch count is not known."""
+    size, trainer = getattr(datamodule, "train_size", None), cfg.trainer
+    epochs = trainer.get("max_epochs")
+    if not isinstance(size, int) or epochs is None or epochs < 0:
+        return None
+    batches = math.ceil(size / cfg.data.batch_size)
+    limit = trainer.get("limit_train_batches")
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        batches = min(batches, limit)
+    elif isinstance(limit, float):
+        batches = int(batches * limit)
+    devices = trainer.get("devices")
+    if isinstance(devices, int) and devices > 1 and str(trainer.get("strategy")).startswith("ddp"):
+        batches = math.ceil(batches / devices)
+    steps = epochs * batches
+    max_steps = trainer.get("max_steps")
+    if isinstance(max_steps, int) and max_steps > 0:
+        steps = min(steps, max_steps)
+    return max(0, steps - start_step)
+
+
+def prepare_speed(
+    module: Any, cfg: DictConfig, datamodule: Any = None, start_step: int = 0
+) -> Choice:
     """Choose the training path and precision for the run ``cfg`` (``speed.*``,
     ``trainer.accelerator``, ``trainer.precision``, ``data.batch_size``), timing
-    ``datamodule.augment`` with each step, and put the path's forward of ``module.net`` into
-    ``module.step_forward``. Logs the choice in one line.
+    ``datamodule.augment`` with each step, for the steps left after ``start_step``
+    (:func:`steps_to_train`), and put the path's forward of ``module.net`` into
+    ``module.step_forward``. Shows a progress bar while it times (on a terminal, unless the
+    training's bar is off) and logs the choice in one line.
 
     Raises:
         ConfigError: a forced path that cannot run here.
     """
     speed = cfg.get("speed") or {}
     device = torch.device(resolve_accelerator(str(cfg.trainer.get("accelerator", "auto"))))
-    choice = choose(
-        module.net,
-        device=device,
-        batch_size=cfg.data.batch_size,
-        path=speed.get("path", "auto"),
-        precision=str(cfg.trainer.get("precision", "auto")),
-        include_compiled=bool(speed.get("compile", False)),
-        augment=getattr(datamodule, "augment", None),
-    )
+    if bool(speed.get("compile", False)) or speed.get("path") == "compile":
+        keep_compiles()
+    # As the training loop's bar: off with trainer.enable_progress_bar=false or
+    # callbacks.progress_bar=null.
+    callbacks = cfg.get("callbacks")
+    shown = callbacks is None or callbacks.get("progress_bar") is not None
+    bar = shown and bool(cfg.trainer.get("enable_progress_bar", True))
+    with progress(None, "timing the speed paths", enabled=bar) as shown:
+        choice = choose(
+            module.net,
+            device=device,
+            batch_size=cfg.data.batch_size,
+            path=speed.get("path", "auto"),
+            precision=str(cfg.trainer.get("precision", "auto")),
+            include_compiled=bool(speed.get("compile", False)),
+            augment=getattr(datamodule, "augment", None),
+            model_args=dict(getattr(module, "hparams", {}).get("model") or {}),
+            steps_to_train=steps_to_train(cfg, datamodule, start_step),
+            remeasure=bool(speed.get("remeasure", False)),
+            progress=shown.update,
+        )
     module.step_forward = PATHS[choice.path].build(module.net)
     log.info(choice.describe(device))
     return choice
+
+
+def keep_compiles() -> None:
+    """Put inductor's on-disk caches (its FX graph cache and AOTAutograd's) in
+    ``<cache_root()>/inductor`` and switch both on, unless ``TORCHINDUCTOR_CACHE_DIR`` names
+    a folder of the user's: a second compiled run of the same shape then loads its kernels
+    instead of generating and compiling them again (docs/speed.md, the compiled path), and
+    they outlive a reboot, which inductor's default in /tmp does not."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # Importing torch's compiler fills in its default: a value equal to it is not the user's.
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given is None or os.path.abspath(given) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
+    inductor_config.fx_graph_cache = True
+    functorch_config.enable_autograd_cache = True

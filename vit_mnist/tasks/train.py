@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from vit_mnist.errors import ConfigError, WriteError, exit_on_user_error
 from vit_mnist.hardware import describe_device, resolve_accelerator, uses_cuda
 from vit_mnist.io import write_metrics
-from vit_mnist.speed.choose import Choice, prepare_speed
+from vit_mnist.speed.choose import Choice, note_loop_speed, prepare_speed
 from vit_mnist.training.callbacks.throughput import TrainThroughput
 from vit_mnist.training.checkpointing import (
     model_to_start_from,
@@ -82,7 +82,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     )
     if start is not None:
         module.net.load_state_dict(start.weights)
-    choice = prepare_speed(module, cfg, datamodule)
+    choice = prepare_speed(module, cfg, datamodule, start_step)
     module.run_info = {"data": resolved(cfg.data), "precision": choice.precision, "seed": cfg.seed}
     if start is not None and start.pruned_from:
         module.run_info["pruned_from"] = start.pruned_from  # a fine-tuned pruned model still is one
@@ -105,14 +105,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     }
 
     best_ckpt, test_metrics = _test_best(cfg, trainer, module, datamodule)
-
+    run_metrics = _run_metrics(cfg, trainer, datamodule, choice)
+    if trainer.is_global_zero:  # the guard against a lucky timing: the loop against the step
+        note_loop_speed(choice, run_metrics.get("train_images_per_s"), trainer.world_size)
     metrics = {
         **fit_metrics,
         **test_metrics,
         "num_params": num_params,
         "train_time_s": round(train_time_s, 2),
         "model": model,  # what trained: init_from's, else the config's
-        **_run_metrics(cfg, trainer, datamodule, choice),
+        **run_metrics,
         "best_ckpt": best_ckpt or None,
         "resumed_from": str(ckpt_path) if ckpt_path else None,
         "teacher": teacher,
