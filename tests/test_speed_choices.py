@@ -222,6 +222,23 @@ def test_rounds_that_disagree_are_said_and_timed_again_by_the_next_run(monkeypat
     assert _choose().how == "reused"  # the rounds agreed: settled
 
 
+def test_a_busy_machines_timings_settle_after_two_retimings(monkeypatch, two_paths):
+    """Timings cut short every time (a machine too busy to time): the leaders are timed
+    again twice, then the median of the three timings settles the choice."""
+    figures = {"reference 32-true": 90.0, "fused 32-true": 100.0, "handwritten 32-true": 80.0}
+    busy = choose_mod.Timing(figures, rounds=0, cut_short=True)
+    monkeypatch.setattr(choose_mod, "time_candidates", lambda *a, **k: busy)
+    hows = [_choose().how for _ in range(3)]
+    assert hows == ["measured", "re-timed", "re-timed"]
+    monkeypatch.setattr(choose_mod, "time_candidates", lambda *a, **k: pytest.fail("timed"))
+    settled = _choose()
+    assert settled.how == "reused"
+    # The machine is idle again: a loop far above the busy figure unsettles the choice.
+    note_loop_speed(settled, 80 * settled.images_per_s["fused 32-true"])
+    monkeypatch.setattr(choose_mod, "time_candidates", lambda *a, **k: busy)
+    assert _choose().how == "re-timed"
+
+
 def test_resuming_a_finished_run_measures_nothing_and_stops_in_one_line(
     make_train_cfg, monkeypatch, tmp_path, capsys
 ):
@@ -241,3 +258,19 @@ def test_resuming_a_finished_run_measures_nothing_and_stops_in_one_line(
     assert len(err) == 1 and "has trained 1 epochs, all of trainer.max_epochs=1" in err[0], err
     assert "nothing is left to train" in err[0]
     assert not (tmp_path / "r" / "metrics.json").exists()
+
+
+def test_a_compiled_run_keeps_inductors_caches_in_the_cache_folder(monkeypatch, tmp_path):
+    """Inductor's default folder (in /tmp, emptied by a reboot) gives way to the cache
+    folder; a folder the user named is kept."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("VIT_MNIST_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # set by importing torch
+    choose_mod.keep_compiles()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    choose_mod.keep_compiles()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

@@ -152,7 +152,7 @@ HOW = {
     "measured": "measured now in {seconds:.2f} s",
     "reused": "reused in {seconds:.2f} s, speed.remeasure=true measures again",
     "re-timed": "reused, its leaders timed again now in {seconds:.2f} s",
-    "default": "not timed, the class's default",
+    "default": "not timed ({seconds:.2f} s), the class's default",
 }
 
 
@@ -189,8 +189,8 @@ class Choice:
         return line
 
     def metrics(self) -> dict[str, Any]:
-        """The choice's keys of ``metrics.json``: ``speed_path``, ``speed_choice`` (how),
-        ``speed_choice_s`` (seconds, left out of the fitting time) and
+        """The choice's keys of ``metrics.json``: ``speed_path``, ``speed_choice`` (how: a key
+        of :data:`HOW`), ``speed_choice_s`` (seconds, left out of the fitting time) and
         ``speed_images_per_s`` (the figures it was chosen on)."""
         return {
             "speed_path": self.path,
@@ -240,12 +240,14 @@ DROP_BELOW = 0.8
 # Rounds disagree when the leader's fastest round is this much above its slowest: the
 # machine's speed moved during the timing, and the next run times the leaders again.
 ROUNDS_AGREE = 0.25
-# A loop below this share of the chosen step's stored figure ran "well short" of it (the
-# loop ran at 0.74 to 1.15 of the step on idle machines, docs/speed.md): the choice is
-# timed again by the next run.
+# A loop below this share of the chosen step's stored figure, or above its inverse, ran
+# well off it (the loop ran at 0.74 to 1.15 of the step on idle machines, docs/speed.md):
+# the choice is timed again by the next run.
 LOOP_SHORT = 0.6
-# The leaders an unsettled choice times again: those within this share of the best.
+# The leaders an unsettled choice times again: those within this share of the best; and
+# how often before the median of its timings settles it.
 LEADERS_WITHIN = 0.8
+MAX_RETIMES = 2
 
 
 @dataclass
@@ -455,8 +457,11 @@ def choose(
     pairs, skipped = candidates(device, path, precision, include_compiled, net)
     if len(pairs) == 1:
         return Choice(*pairs[0], skipped=skipped)
-    key = choice_key(device, model_args or {}, batch_size, precision, pairs)
-    stored = None if remeasure else read_choice(key)
+    # Without model_args (scripts/benchmark.py) nothing is read or stored: a fresh timing.
+    key = (
+        None if model_args is None else choice_key(device, model_args, batch_size, precision, pairs)
+    )
+    stored = None if remeasure or key is None else read_choice(key)
     short = too_short_to_time(pairs, steps_to_train)
     if stored is not None and (stored.settled or short):
         return _from_store(stored, skipped, time.perf_counter() - start, "reused")
@@ -480,10 +485,13 @@ def choose(
     )
     entry = stored or StoredChoice(key)
     entry.add(timing.figures)
+    entry.retimes += stored is not None
     # Settled: rounds that agreed and, for an unsettled choice timed again, the same leader
-    # in this timing as over every run's figures; till then the next run times it again.
+    # in this timing as over every run's figures; or timed again MAX_RETIMES times (a busy
+    # machine, whose timings never agree: the median of three then decides).
     best = max(timing.figures, key=timing.figures.get)
-    entry.settled = timing.agrees() and entry.best() == best
+    agreed = timing.agrees() and entry.best() == best
+    entry.settled = agreed or entry.retimes >= MAX_RETIMES
     how = "measured" if stored is None else "re-timed"
     return _from_store(entry, skipped, time.perf_counter() - start, how, timing)
 
@@ -497,13 +505,13 @@ def _from_store(
 ) -> Choice:
     """The choice: this run's ``timing``'s fastest where it timed (its candidates side by
     side, at one moment of the machine), else the best median of ``entry``'s runs; the
-    entry is written back with one more run counted, and the note says what the timing
-    saw."""
-    entry.runs += 1
-    write_choice(entry)
+    entry is written back after a timing, and the note says what the timing saw."""
+    if entry.key is not None and timing is not None:
+        write_choice(entry)
     figures = entry.medians() if timing is None else timing.figures
     path, precision = max(figures, key=figures.get).split(" ")
     note = f"chosen on {entry.measured_on}" if how != "measured" else "stored for later runs"
+    note = note if entry.key is not None else ""
     if timing is not None and timing.dropped:
         note += "; dropped early: " + ", ".join(timing.dropped)
     if timing is not None and not timing.agrees():
@@ -514,19 +522,21 @@ def _from_store(
 
 
 def note_loop_speed(choice: Choice, images_per_s: float | None, processes: int = 1) -> None:
-    """After training: where the loop ran at under :data:`LOOP_SHORT` of the stored figure
-    of the path and precision it trained with (``images_per_s``, images/s over all
-    ``processes``; None: not measured), the stored choice is marked unsettled, so that the
-    next run with its key times the leaders again: the guard against a lucky timing kept
-    for every later run."""
+    """After training: where the loop (``images_per_s``, images/s over all ``processes``;
+    None: not measured) ran at under :data:`LOOP_SHORT` of the stored figure of the path
+    and precision it trained with (a lucky timing), or above its inverse (a timing taken
+    while something else ran), the stored choice is marked unsettled, so that the next run
+    with its key times the leaders again."""
     figure = choice.images_per_s.get(f"{choice.path} {choice.precision}")
     images_per_s = images_per_s / processes if images_per_s else None
-    if choice.key is None or not figure or not images_per_s or images_per_s >= LOOP_SHORT * figure:
+    if choice.key is None or not figure or not images_per_s:
+        return
+    if LOOP_SHORT * figure <= images_per_s <= figure / LOOP_SHORT:
         return
     stored = read_choice(choice.key)
     if stored is None:
         return
-    stored.settled = False
+    stored.settled, stored.retimes = False, 0
     write_choice(stored)
     log.info(
         "the loop ran at %s images/s, %.0f%% of the %s figure the speed path was chosen on: "

@@ -18,7 +18,7 @@ import hashlib
 import json
 import logging
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -72,14 +72,14 @@ def _key_id(key: dict[str, Any]) -> str:
 class StoredChoice:
     """One key's measurements: ``figures`` (``"path precision"`` -> images/s, one per
     measurement, newest last, at most :data:`KEEP_FIGURES`), the ``measured_on`` date of the
-    first (ISO), ``settled`` (False: the next run times the leaders again) and ``runs``
-    (how many runs used it)."""
+    first (ISO), ``settled`` (False: the next run times the leaders again) and ``retimes``
+    (how often the leaders were timed again since it was last unsettled)."""
 
-    key: dict[str, Any]
+    key: dict[str, Any] | None
     figures: dict[str, list[float]] = field(default_factory=dict)
     measured_on: str = field(default_factory=lambda: datetime.date.today().isoformat())
     settled: bool = False
-    runs: int = 0
+    retimes: int = 0
 
     def medians(self) -> dict[str, float]:
         """``"path precision"`` -> the median of its figures (images/s)."""
@@ -132,7 +132,8 @@ def read_choice(key: dict[str, Any]) -> StoredChoice | None:
     if raw is None:
         return None
     try:
-        entry = StoredChoice(**raw)
+        # Keys of another version's entries are left out, not taken for damage.
+        entry = StoredChoice(**{f.name: raw[f.name] for f in fields(StoredChoice) if f.name in raw})
         figures_ok = all(
             isinstance(v, list) and v and all(isinstance(x, (int, float)) and x > 0 for x in v)
             for v in entry.figures.values()
