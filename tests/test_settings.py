@@ -115,6 +115,7 @@ BAD = [
     ("train", ["callbacks.model_checkpoint.mode=maximum"], ["mode=maximum", "'max'"]),
     ("train", ["model.depth=null"], ["model.depth=null", "whole number"]),
     ("train", ["speed.compile=maybe"], ["speed.compile=maybe", "true or false"]),
+    ("train", ["speed.remeasure=maybe"], ["speed.remeasure=maybe", "true or false"]),
     ("evaluate", ["ckpt_path=x", "precision=fp8"], ["precision=fp8", "32-true"]),
     ("evaluate", ["ckpt_path=x", "analysis=everything"], ["analysis=everything", "heads"]),
     ("evaluate", ["ckpt_path=x", "prune.max_fraction=1"], ["prune.max_fraction=1", "(0, 1)"]),

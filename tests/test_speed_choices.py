@@ -274,3 +274,32 @@ def test_a_compiled_run_keeps_inductors_caches_in_the_cache_folder(monkeypatch, 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     choose_mod.keep_compiles()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_remeasure_with_nothing_to_time_is_refused(make_train_cfg):
+    """A value accepted but not applied: with the path and the precision forced, nothing
+    is timed, so speed.remeasure=true is refused in one line; with auto it is taken."""
+    from vit_mnist.errors import ConfigError
+    from vit_mnist.training.checks import check_run
+
+    forced = make_train_cfg(
+        "speed.path=reference", "trainer.precision=32-true", "speed.remeasure=true"
+    )
+    with pytest.raises(ConfigError, match=r"speed.remeasure=true .* speed.path=reference with "):
+        check_run(forced)
+    check_run(make_train_cfg("speed.path=auto", "speed.remeasure=true"))
+
+
+def test_a_cache_folder_that_cannot_be_written_costs_a_warning_not_the_run(
+    monkeypatch, two_paths, tmp_path, caplog
+):
+    calls: list = []
+    figures = {"reference 32-true": 90.0, "fused 32-true": 100.0, "handwritten 32-true": 80.0}
+    monkeypatch.setattr(choose_mod, "time_candidates", _fake_timing(figures, calls))
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setattr(stored_choices, "store_path", lambda: blocker / "speed_choices.json")
+    with caplog.at_level(logging.WARNING):
+        choice = _choose()
+    assert choice.path == "fused" and "stored for later runs" not in choice.describe(CPU)
+    assert [r.getMessage() for r in caplog.records if "could not store" in r.getMessage()]

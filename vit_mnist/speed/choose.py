@@ -506,18 +506,18 @@ def _from_store(
     """The choice: this run's ``timing``'s fastest where it timed (its candidates side by
     side, at one moment of the machine), else the best median of ``entry``'s runs; the
     entry is written back after a timing, and the note says what the timing saw."""
-    if entry.key is not None and timing is not None:
-        write_choice(entry)
+    stored = entry.key is not None and timing is not None and write_choice(entry)
     figures = entry.medians() if timing is None else timing.figures
     path, precision = max(figures, key=figures.get).split(" ")
-    note = f"chosen on {entry.measured_on}" if how != "measured" else "stored for later runs"
-    note = note if entry.key is not None else ""
+    notes = [f"chosen on {entry.measured_on}" if how != "measured" else ""]
+    notes += ["stored for later runs" if how == "measured" and stored else ""]
     if timing is not None and timing.dropped:
-        note += "; dropped early: " + ", ".join(timing.dropped)
+        notes += ["dropped early: " + ", ".join(timing.dropped)]
     if timing is not None and not timing.agrees():
         said = [f"rounds disagreed by {timing.spread:.0%}"] if timing.spread > ROUNDS_AGREE else []
         said += [f"cut short after {timing.rounds} rounds"] if timing.cut_short else []
-        note += f"; {', '.join(said)}: the next run times the leaders again"
+        notes += [f"{', '.join(said)}: the next run times the leaders again"]
+    note = "; ".join(n for n in notes if n)
     return Choice(path, precision, figures, seconds, how, skipped, note, entry.key)
 
 

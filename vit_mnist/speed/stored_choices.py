@@ -146,12 +146,12 @@ def read_choice(key: dict[str, Any]) -> StoredChoice | None:
         return None
 
 
-def write_choice(entry: StoredChoice) -> None:
-    """Store ``entry`` under its key, keeping every other key's. The read, change and write
-    hold a lock file (``speed_choices.json.lock``), and the file is replaced whole
-    (:func:`~vit_mnist.io.atomic_write_bytes`): two sweep jobs writing at once leave a
-    readable file holding both. A folder that cannot be written costs the next run a
-    measurement, not this run: one warning, no error."""
+def write_choice(entry: StoredChoice) -> bool:
+    """Store ``entry`` under its key, keeping every other key's; False where it could not.
+    The read, change and write hold a lock file (``speed_choices.json.lock``), and the file
+    is replaced whole (:func:`~vit_mnist.io.atomic_write_bytes`): two sweep jobs writing at
+    once leave a readable file holding both. A folder that cannot be written costs the next
+    run a measurement, not this run: one warning, no error."""
     path = store_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -160,6 +160,8 @@ def write_choice(entry: StoredChoice) -> None:
             entries[_key_id(entry.key)] = json.loads(json.dumps(asdict(entry), default=str))
             data = {"layout": LAYOUT, "choices": entries}
             atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=True).encode())
+        return True
     except (OSError, Timeout) as e:
         why = f"could not store the speed choice in {path} ({e})"
         log.warning("%s; the next run measures again", why)
+        return False

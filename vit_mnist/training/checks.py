@@ -143,9 +143,23 @@ def check_run(cfg: DictConfig, model: dict[str, Any] | None = None) -> dict[str,
     if data.get("data_dir") is not None:
         _check_data_dir(str(data.data_dir), getattr(datamodule_cls, "folder", "MNIST"))
     _check_device(cfg.trainer)
+    _check_remeasure(cfg.get("speed") or {}, str(cfg.trainer.get("precision", "auto")))
     _check_loggers_for(cfg.get("callbacks") or {}, cfg.get("logger") or {})
     _check_log_folders(cfg.get("logger") or {})
     return teacher
+
+
+def _check_remeasure(speed: DictConfig | dict, precision: str) -> None:
+    """``speed.remeasure=true`` times the candidates afresh: with the path and the precision
+    both forced (or a forced compiled path) nothing is timed, and it would not be applied."""
+    path = speed.get("path", "auto")
+    if not speed.get("remeasure") or path == "auto" or (precision == "auto" and path != "compile"):
+        return
+    raise ConfigError(
+        f"speed.remeasure=true times the speed paths afresh, and speed.path={path} with "
+        f"trainer.precision={precision} times nothing: drop speed.remeasure, or use "
+        "speed.path=auto"
+    )
 
 
 def _check_loggers_for(callbacks: DictConfig | dict, loggers: DictConfig | dict) -> None:
