@@ -159,12 +159,12 @@ HOW = {
 @dataclass
 class Choice:
     """The ``path`` (a key of :data:`PATHS`) and Lightning ``precision`` a run trains with;
-    ``images_per_s`` (``"path precision" -> images/s``, the median over the stored runs'
-    timings) it was chosen on, ``seconds`` of wall time spent choosing, ``how``
-    (:data:`HOW`), ``skipped`` (``path -> why`` for the paths not timed), ``note`` (what the
-    log line adds: when it was measured, what the timing saw) and ``key`` (the stored
-    choice's, :func:`~vit_mnist.speed.stored_choices.choice_key`; None where none is
-    stored)."""
+    ``images_per_s`` (``"path precision" -> images/s``) it was chosen on (this run's
+    timing, else the medians of the stored timings), ``seconds`` of wall time spent
+    choosing, ``how`` (:data:`HOW`), ``skipped`` (``path -> why`` for the paths not timed),
+    ``note`` (what the log line adds: when it was measured, what the timing saw) and
+    ``key`` (the stored choice's, :func:`~vit_mnist.speed.stored_choices.choice_key`; None
+    where none is stored)."""
 
     path: str
     precision: str
@@ -292,7 +292,7 @@ def time_candidates(
     allocator grew its heap (docs/speed.md, "How auto chooses"). After 2 timed rounds a pair
     whose best round is below :data:`DROP_BELOW` of the leader's median is dropped. The whole
     timing stops at ``budget_s`` seconds, or at :data:`TIMING_SHARE` of
-    ``steps_to_train`` steps of the fastest first step where that is less, checked before
+    ``steps_to_train`` steps of the first pair's first step where that is less, checked before
     each pair's steps (so it ends within one pair's steps of it). A step
     is the loop's: ``augment`` of a random batch of ``batch_size`` images, forward,
     cross-entropy, backward, fused AdamW. Runs on a copy of ``net`` and restores the
@@ -513,10 +513,11 @@ def _from_store(
     notes += ["stored for later runs" if how == "measured" and stored else ""]
     if timing is not None and timing.dropped:
         notes += ["dropped early: " + ", ".join(timing.dropped)]
-    if timing is not None and not timing.agrees():
+    if timing is not None:
         said = [f"rounds disagreed by {timing.spread:.0%}"] if timing.spread > ROUNDS_AGREE else []
         said += [f"cut short after {timing.rounds} rounds"] if timing.cut_short else []
-        notes += [f"{', '.join(said)}: the next run times the leaders again"]
+        then = "settled" if entry.settled else "the next run times the leaders again"
+        notes += [f"{', '.join(said)}: {then}"] if said or not entry.settled else []
     note = "; ".join(n for n in notes if n)
     return Choice(path, precision, figures, seconds, how, skipped, note, entry.key)
 
